@@ -1,0 +1,187 @@
+"""The configuration file's schema. Every error names the field and the reason."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served; the message lists every problem."""
+
+
+def hash_api_key(api_key: str) -> str:
+    """API keys are stored only as SHA-256 hex digests."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    grpc_listen: str = "127.0.0.1:50051"
+    http_listen: str = "127.0.0.1:9464"
+    # Seconds in-flight streams get to finish on SIGTERM before they are cut and settled.
+    shutdown_grace_s: float = Field(default=25.0, ge=0)
+    # Reservations are leases: one nobody renews (a lost stream) frees itself after this.
+    lease_ttl_s: float = Field(default=900.0, gt=0)
+    tokenizer_threads: int = Field(default=2, ge=1, le=64)
+    tokenizer_cache_entries: int = Field(default=4096, ge=0)
+    tokenizer_cache_dir: str = "var/tokenizers"
+    # The biggest response body kvgate keeps to read `usage` from a non-streamed answer.
+    max_buffered_response_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    grpc_max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=4 * 1024 * 1024)
+
+    @field_validator("grpc_listen", "http_listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be HOST:PORT with a port from 1 to 65535")
+        return value
+
+
+class TenantConfig(_Strict):
+    name: str
+    api_key_sha256: list[str] | str = Field(
+        description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ : / -")
+        return value
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hashes(cls, value: list[str] | str) -> list[str]:
+        hashes = [value] if isinstance(value, str) else value
+        if not hashes:
+            raise ValueError("needs at least one key hash")
+        for digest in hashes:
+            if not _SHA256_HEX.match(digest):
+                raise ValueError(
+                    "must be a lowercase SHA-256 hex digest (64 characters), "
+                    "never the key itself; use `kvgate hash-key`"
+                )
+        return hashes
+
+    @property
+    def key_hashes(self) -> list[str]:
+        value = self.api_key_sha256
+        return [value] if isinstance(value, str) else list(value)
+
+
+class ModelConfig(_Strict):
+    name: str
+    tokenizer: str = Field(
+        description="A local directory with tokenizer.json + tokenizer_config.json, "
+        "or a Hugging Face model id fetched once at start-up and cached."
+    )
+    max_context: int = Field(gt=0)
+    default_max_new_tokens: int = Field(gt=0)
+    backend: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ : / -")
+        return value
+
+
+class BackendConfig(_Strict):
+    name: str
+    kv_budget_tokens: int = Field(gt=0)
+    kv_block_size: int = Field(default=16, gt=0)
+    max_concurrent_requests: int = Field(default=256, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        # Backend names double as Envoy cluster names (routing uses x-kvgate-backend).
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", value):
+            raise ValueError("must be 1-128 characters of letters, digits and . _ -")
+        return value
+
+    @model_validator(mode="after")
+    def _budget_holds_a_block(self) -> BackendConfig:
+        if self.kv_budget_tokens < self.kv_block_size:
+            raise ValueError("kv_budget_tokens must hold at least one KV block")
+        return self
+
+
+class KvgateConfig(_Strict):
+    server: ServerConfig = ServerConfig()
+    store: Literal["memory"] = "memory"
+    tenants: list[TenantConfig]
+    models: list[ModelConfig]
+    backends: list[BackendConfig]
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> KvgateConfig:
+        _unique("tenants", [t.name for t in self.tenants])
+        _unique("models", [m.name for m in self.models])
+        _unique("backends", [b.name for b in self.backends])
+        seen_keys: dict[str, str] = {}
+        for tenant in self.tenants:
+            for digest in tenant.key_hashes:
+                other = seen_keys.setdefault(digest, tenant.name)
+                if other != tenant.name:
+                    raise ValueError(
+                        f"tenants: tenants '{other}' and '{tenant.name}' share an API key"
+                    )
+        backends = {b.name for b in self.backends}
+        for i, model in enumerate(self.models):
+            if model.backend not in backends:
+                raise ValueError(
+                    f"models.{i}.backend: '{model.backend}' is not a configured backend "
+                    f"(known: {', '.join(sorted(backends)) or 'none'})"
+                )
+        return self
+
+
+def _unique(section: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{section}: the name '{name}' appears twice")
+        seen.add(name)
+
+
+def parse_config(data: Any, source: str = "<config>") -> KvgateConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return KvgateConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            message = err["msg"].removeprefix("Value error, ")
+            problems.append(f"  {where}: {message}")
+        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(problems)) from None
+
+
+def load_config(path: str | Path) -> KvgateConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, str(path))
