@@ -1,0 +1,40 @@
+# kvgate — two commands: `make up` (local stack) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DEMO_MODEL := var/models/qwen2.5-demo
+
+.PHONY: up test lint format install demo-model clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[sim,demo,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(DEMO_MODEL)/tokenizer.json: $(STAMP) tools/build_demo_tokenizer.py
+	$(BIN)/python tools/build_demo_tokenizer.py $(DEMO_MODEL)
+
+demo-model: $(DEMO_MODEL)/tokenizer.json
+
+# Envoy :10000 -> kvgate :50051 (metrics :9464) -> vLLM simulator :8000, in the foreground.
+up: install demo-model
+	$(BIN)/python tools/up.py
+
+test: install demo-model
+	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff format --check src tests tools
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check src tests tools
+
+format: install
+	$(BIN)/ruff format src tests tools
+	$(BIN)/ruff check --fix src tests tools
+
+clean:
+	rm -rf $(VENV) var build *.egg-info

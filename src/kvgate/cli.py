@@ -1,0 +1,90 @@
+"""`kvgate` command line: serve, check-config, hash-key."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+
+from kvgate.config import ConfigError, hash_api_key, load_config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvgate.app import run
+    from kvgate.logs import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.load_tokenizers:
+        from kvgate.app import load_tokenizers
+
+        try:
+            load_tokenizers(config).close()
+        except Exception as exc:  # any loader failure is a config problem here
+            print(f"{args.config}: {exc}", file=sys.stderr)
+            return 2
+    print(
+        f"{args.config}: OK ({len(config.tenants)} tenants, {len(config.models)} models, "
+        f"{len(config.backends)} backends)"
+    )
+    return 0
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    key = args.key
+    if key is None:
+        key = (
+            sys.stdin.readline().rstrip("\n")
+            if not sys.stdin.isatty()
+            else getpass.getpass("API key: ")
+        )
+    if not key:
+        print("an empty API key cannot be hashed", file=sys.stderr)
+        return 2
+    print(hash_api_key(key))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the ext_proc server")
+    serve.add_argument("--config", required=True)
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("check-config", help="validate a config file without serving")
+    check.add_argument("config")
+    check.add_argument(
+        "--load-tokenizers", action="store_true", help="also load every model's tokenizer"
+    )
+    check.set_defaults(func=_check_config)
+
+    hash_key = sub.add_parser("hash-key", help="print the SHA-256 digest to put in the config")
+    hash_key.add_argument("key", nargs="?", help="the key (read from stdin when omitted)")
+    hash_key.set_defaults(func=_hash_key)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The gRPC ExternalProcessor service: one StreamSession per ext_proc stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from kvgate.extproc.services import GatewayServices
+from kvgate.extproc.session import StreamSession
+
+log = logging.getLogger("kvgate.extproc")
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, services: GatewayServices) -> None:
+        self._services = services
+
+    async def Process(  # noqa: N802 - the gRPC method name
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        session = StreamSession(self._services)
+        try:
+            async for message in request_iterator:
+                reply = await session.handle(message)
+                if reply is not None:
+                    yield reply
+        except asyncio.CancelledError:
+            # Envoy reset the stream (client gone, timeout). Settled below.
+            raise
+        finally:
+            # Either the iterator ended or the stream was cancelled: both are "stream over".
+            session.close(shutting_down=self._services.shutting_down)

@@ -1,0 +1,459 @@
+"""One ext_proc stream = one HTTP request: an explicit state machine that admits and settles.
+
+REQUEST_HEADERS -> REQUEST_BODY -> FORWARDED -> RESPONSE_BODY -> SETTLED, or REJECTED /
+PASSTHROUGH. Settlement happens exactly once whichever way the stream ends: the response's
+end_of_stream, a client disconnect, an upstream reset, an Envoy timeout, or shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from kvgate.config import hash_api_key
+from kvgate.extproc import messages
+from kvgate.extproc.services import GatewayServices
+from kvgate.openai import (
+    ApiError,
+    ParsedRequest,
+    SseStreamFilter,
+    parse_request,
+    usage_from_json_body,
+    with_forced_usage,
+)
+from kvgate.openai import errors as api_errors
+from kvgate.policy import (
+    ActualUsage,
+    AdmissionRequest,
+    Decision,
+    Reason,
+    Reservation,
+    SettleCause,
+    plan_new_tokens,
+)
+from kvgate.tokenize import PromptRenderError
+
+log = logging.getLogger("kvgate.session")
+
+ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Requests that only need a valid key: they cost the GPU nothing.
+PASSTHROUGH_PATHS = frozenset({"/v1/models"})
+HEADER_PREFIX = "x-kvgate-"
+
+
+class Phase(enum.Enum):
+    REQUEST_HEADERS = "request_headers"
+    REQUEST_BODY = "request_body"
+    FORWARDED = "forwarded"
+    RESPONSE_BODY = "response_body"
+    SETTLED = "settled"
+    REJECTED = "rejected"
+    PASSTHROUGH = "passthrough"
+
+
+def _path_only(path: str) -> str:
+    return path.split("?", 1)[0]
+
+
+def _api_key(headers: dict[str, str]) -> str | None:
+    auth = headers.get("authorization", "")
+    scheme, _, token = auth.strip().partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    key = headers.get("x-api-key", "").strip()
+    return key or None
+
+
+class StreamSession:
+    def __init__(self, services: GatewayServices) -> None:
+        self._svc = services
+        self._snapshot = services.snapshots.current
+        self.phase = Phase.REQUEST_HEADERS
+        self.request_id = ""
+        self.tenant: str | None = None
+        self._path = ""
+        self._body = bytearray()
+        self._request: ParsedRequest | None = None
+        self._prompt_tokens = 0
+        self._max_new_tokens = 0
+        self.reservation: Reservation | None = None
+        self._settling = False
+        self._response_status = 0
+        self._streaming_response = False
+        self._sse: SseStreamFilter | None = None
+        self._response_body = bytearray()
+        self._response_body_overflow = False
+        self._last_renewal = 0.0
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        kind = message.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                return self._on_request_headers(message.request_headers)
+            if kind == "request_body":
+                return await self._on_request_body(message.request_body)
+            if kind == "response_headers":
+                return await self._on_response_headers(message.response_headers)
+            if kind == "response_body":
+                return await self._on_response_body(message.response_body)
+            if kind == "request_trailers":
+                return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            if kind == "response_trailers":
+                return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        except Exception:
+            self._svc.metrics.internal_errors.labels(self.phase.value).inc()
+            log.exception(
+                "internal error", extra={"request_id": self.request_id, "phase": self.phase.value}
+            )
+            return self._internal_error_reply(kind)
+        return None
+
+    def _internal_error_reply(self, kind: str | None) -> pb.ProcessingResponse:
+        if kind in ("request_headers", "request_body") and self.reservation is None:
+            self.phase = Phase.REJECTED
+            return self._reject(
+                ApiError(
+                    status=500,
+                    message="kvgate could not process this request.",
+                    type="server_error",
+                    code="internal_error",
+                    param=None,
+                ),
+                Reason.INTERNAL_ERROR,
+            )
+        # Once forwarded, never break the client's stream: pass the chunk through unchanged.
+        if kind == "response_headers":
+            return messages.continue_response_headers()
+        if kind == "response_body":
+            return messages.continue_response_body()
+        if kind == "request_body":
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+    # ------------------------------------------------------------------ request path
+
+    def _on_request_headers(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
+        headers = messages.header_map_to_dict(http.headers)
+        self.request_id = headers.get("x-request-id", "")
+        self._path = _path_only(headers.get(":path", ""))
+        method = headers.get(":method", "").upper()
+        # Clients must not be able to forge the headers Envoy routes and logs on.
+        forged = [name for name in headers if name.startswith(HEADER_PREFIX)]
+
+        key = _api_key(headers)
+        if key is None:
+            return self._reject(api_errors.missing_api_key(), Reason.MISSING_API_KEY)
+        tenant = self._snapshot.tenants_by_key_hash.get(hash_api_key(key))
+        if tenant is None:
+            return self._reject(api_errors.invalid_api_key(), Reason.INVALID_API_KEY)
+        self.tenant = tenant
+
+        if self._path in PASSTHROUGH_PATHS or self._path.startswith("/v1/models/"):
+            if method not in ("GET", "HEAD"):
+                return self._reject(
+                    api_errors.method_not_allowed(method, self._path), Reason.INVALID_REQUEST
+                )
+            self.phase = Phase.PASSTHROUGH
+            self._svc.metrics.requests.labels("passthrough", Reason.PASSTHROUGH.value).inc()
+            return messages.continue_request_headers(
+                {"x-kvgate-tenant": tenant}, forged, skip_rest=True
+            )
+        if self._path not in ADMITTED_PATHS:
+            return self._reject(api_errors.unsupported_path(self._path), Reason.UNSUPPORTED_PATH)
+        if method != "POST":
+            return self._reject(
+                api_errors.method_not_allowed(method, self._path), Reason.INVALID_REQUEST
+            )
+        if http.end_of_stream:
+            return self._reject(
+                api_errors.invalid_request("The request body is empty; expected JSON."),
+                Reason.INVALID_REQUEST,
+            )
+        self.phase = Phase.REQUEST_BODY
+        return messages.continue_request_headers({"x-kvgate-tenant": tenant}, forged)
+
+    async def _on_request_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.phase is not Phase.REQUEST_BODY:
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        self._body += http.body
+        if not http.end_of_stream:
+            # BUFFERED mode sends one message; be tolerant of a split body anyway.
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        started = time.perf_counter()
+        try:
+            reply = await self._admit(bytes(self._body))
+        except ApiError as error:
+            reply = self._reject(error, _reason_for(error))
+        outcome = "admitted" if self.reservation is not None else "rejected"
+        self._svc.metrics.decision_seconds.labels(outcome).observe(time.perf_counter() - started)
+        return reply
+
+    async def _admit(self, body: bytes) -> pb.ProcessingResponse:
+        request = parse_request(self._path, body)
+        self._request = request
+        route = self._snapshot.models.get(request.model)
+        if route is None:
+            raise api_errors.model_not_found(request.model)
+        limits = self._snapshot.backends[route.backend]
+
+        try:
+            if request.kind == "chat":
+                prompt_tokens = await self._svc.tokenizers.count_chat(
+                    request.model,
+                    request.messages,
+                    request.tools,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    chat_template_kwargs=request.chat_template_kwargs,
+                )
+            else:
+                prompt_tokens = await self._svc.tokenizers.count_completion(
+                    request.model, request.prompt
+                )
+        except PromptRenderError as exc:
+            raise api_errors.invalid_request(str(exc), param="messages") from None
+        self._prompt_tokens = prompt_tokens
+
+        plan = plan_new_tokens(
+            prompt_tokens, request.max_new_tokens, route.default_max_new_tokens, route.max_context
+        )
+        if not plan.ok:
+            raise api_errors.context_length_exceeded(
+                prompt_tokens, plan.max_new_tokens, route.max_context
+            )
+        self._max_new_tokens = plan.max_new_tokens
+
+        admission = AdmissionRequest(
+            request_id=self.request_id,
+            tenant=self.tenant or "",
+            model=request.model,
+            backend=route.backend,
+            prompt_tokens=prompt_tokens,
+            max_new_tokens=plan.max_new_tokens,
+            choices=request.n,
+        )
+        decision = await self._svc.store.reserve(admission, limits)
+        if not decision.admitted:
+            return self._reject(_decision_error(decision), decision.reason)
+        self.reservation = decision.reservation
+        self.phase = Phase.FORWARDED
+        self._last_renewal = self._svc.clock.now()
+        self._svc.metrics.requests.labels("admitted", Reason.ADMITTED.value).inc()
+        self._svc.refresh_backend_gauges(route.backend)
+
+        new_body: bytes | None = None
+        if request.stream and not request.include_usage_requested:
+            # Exact output counts need the usage event; the client did not ask for it, so the
+            # response filter strips it again before the client sees it.
+            new_body = with_forced_usage(request.body)
+        return messages.continue_request_body(
+            {"x-kvgate-model": request.model, "x-kvgate-backend": route.backend},
+            new_body=new_body,
+            dynamic_metadata=self._metadata("admitted"),
+        )
+
+    def _reject(self, error: ApiError, reason: Reason) -> pb.ProcessingResponse:
+        self.phase = Phase.REJECTED
+        self._svc.metrics.requests.labels("rejected", reason.value).inc()
+        log.info(
+            "rejected",
+            extra={
+                "request_id": self.request_id,
+                "tenant": self.tenant,
+                "status": error.status,
+                "reason": reason.value,
+            },
+        )
+        return messages.immediate_response(
+            error.status,
+            error.to_body(),
+            error.headers,
+            details=f"kvgate_{reason.value}",
+            dynamic_metadata=self._metadata(reason.value),
+        )
+
+    # ------------------------------------------------------------------ response path
+
+    async def _on_response_headers(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
+        headers = messages.header_map_to_dict(http.headers)
+        try:
+            self._response_status = int(headers.get(":status", "0"))
+        except ValueError:
+            self._response_status = 0
+        content_type = headers.get("content-type", "")
+        self._streaming_response = content_type.startswith("text/event-stream")
+        if self._streaming_response and self._request is not None:
+            self._sse = SseStreamFilter(
+                strip_usage_event=self._request.stream and not self._request.include_usage_requested
+            )
+        if self.phase is Phase.FORWARDED:
+            self.phase = Phase.RESPONSE_BODY
+        if http.end_of_stream:
+            # A body-less response (e.g. an upstream error with no body): settle now.
+            usage = self._usage_at_end() or await self._counted_usage()
+            await self._settle(self._end_cause(), usage)
+        return messages.continue_response_headers()
+
+    async def _on_response_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
+        replacement: bytes | None = None
+        chunk = http.body
+        if self._sse is not None:
+            forwarded = self._sse.feed(chunk)
+            if http.end_of_stream:
+                forwarded += self._sse.finish()
+            if forwarded is not chunk and forwarded != chunk:
+                replacement = forwarded
+        elif not self._response_body_overflow:
+            limit = self._snapshot.config.server.max_buffered_response_bytes
+            if len(self._response_body) + len(chunk) <= limit:
+                self._response_body += chunk
+            else:
+                self._response_body_overflow = True
+                self._response_body.clear()
+
+        if not http.end_of_stream:
+            await self._maybe_renew_lease()
+            return messages.continue_response_body(replacement)
+
+        usage = self._usage_at_end()
+        if usage is None:
+            # No usage from the backend: count what was streamed with the model's tokenizer.
+            usage = await self._counted_usage()
+        # Record the settlement before replying: the reply may never be read.
+        await self._settle(self._end_cause(), usage)
+        meta = self._metadata("admitted")
+        meta["output_tokens"] = usage.output_tokens
+        return messages.continue_response_body(replacement, dynamic_metadata=meta)
+
+    def _ok(self) -> bool:
+        return 200 <= self._response_status < 300
+
+    def _end_cause(self) -> SettleCause:
+        return SettleCause.COMPLETED if self._ok() else SettleCause.UPSTREAM_ERROR
+
+    def _usage_at_end(self) -> ActualUsage | None:
+        """Usage as the backend reported it, or None when it did not."""
+        if not self._ok():
+            # The backend generated nothing we can bill for.
+            return ActualUsage(prompt_tokens=0, output_tokens=0)
+        reported = None
+        if self._sse is not None:
+            reported = self._sse.usage
+        elif self._response_body and not self._response_body_overflow:
+            reported = usage_from_json_body(bytes(self._response_body))
+        if reported is None:
+            return None
+        self._observe_prompt_count(reported.prompt_tokens)
+        return ActualUsage(
+            prompt_tokens=reported.prompt_tokens,
+            output_tokens=reported.completion_tokens,
+            cached_tokens=reported.cached_tokens,
+        )
+
+    async def _counted_usage(self) -> ActualUsage:
+        output = 0
+        if self._sse is not None and self._request is not None:
+            text = self._sse.output_text()
+            if text:
+                output = await self._svc.tokenizers.count_text(self._request.model, text)
+        return ActualUsage(prompt_tokens=self._prompt_tokens, output_tokens=output)
+
+    def _observe_prompt_count(self, backend_prompt_tokens: int) -> None:
+        if self._request is None:
+            return
+        error = self._prompt_tokens - backend_prompt_tokens
+        self._svc.metrics.prompt_count_error.labels(self._request.model).observe(error)
+        if error:
+            self._svc.metrics.prompt_count_mismatches.labels(self._request.model).inc()
+            log.warning(
+                "prompt count differs from the backend's",
+                extra={
+                    "request_id": self.request_id,
+                    "model": self._request.model,
+                    "kvgate_prompt_tokens": self._prompt_tokens,
+                    "backend_prompt_tokens": backend_prompt_tokens,
+                },
+            )
+
+    async def _maybe_renew_lease(self) -> None:
+        if self.reservation is None:
+            return
+        now = self._svc.clock.now()
+        if now - self._last_renewal >= self._svc.lease_renew_interval_s:
+            self._last_renewal = now
+            await self._svc.store.renew(self.reservation)
+
+    # ------------------------------------------------------------------ settlement
+
+    async def _settle(self, cause: SettleCause, usage: ActualUsage) -> None:
+        task = self._start_settlement(cause, usage)
+        if task is not None:
+            # Shielded: if this stream is cancelled right now, the settlement still lands.
+            await asyncio.shield(task)
+
+    def _start_settlement(
+        self, cause: SettleCause, usage: ActualUsage
+    ) -> asyncio.Task[None] | None:
+        if self.reservation is None or self._settling:
+            return None
+        self._settling = True  # set before any await: exactly once
+        self.phase = Phase.SETTLED
+        return self._svc.settle(self.reservation, cause, usage, request_id=self.request_id)
+
+    def close(self, *, shutting_down: bool) -> None:
+        """The gRPC stream ended. If the request was admitted and not settled, the client
+        went away (or Envoy gave up): settle with what was seen so far."""
+        if self.reservation is None or self._settling:
+            return
+        self._svc.metrics.stream_disconnects.labels(self.phase.value).inc()
+        self._settling = True
+        reservation = self.reservation
+        cause = SettleCause.SHUTDOWN if shutting_down else SettleCause.DISCONNECTED
+        self.phase = Phase.SETTLED
+
+        async def settle_after_disconnect() -> None:
+            reported = self._usage_at_end() if self._sse is not None else None
+            usage = reported if reported is not None else await self._counted_usage()
+            await self._svc.settle(reservation, cause, usage, request_id=self.request_id)
+
+        self._svc.track(settle_after_disconnect())
+
+    # ------------------------------------------------------------------ helpers
+
+    def _metadata(self, decision: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {"decision": decision}
+        if self.tenant:
+            meta["tenant"] = self.tenant
+        if self._request is not None:
+            meta["model"] = self._request.model
+        if self.reservation is not None:
+            meta["backend"] = self.reservation.request.backend
+            meta["reserved_tokens"] = self.reservation.kv_tokens
+        if self._prompt_tokens:
+            meta["prompt_tokens"] = self._prompt_tokens
+        return meta
+
+
+def _reason_for(error: ApiError) -> Reason:
+    if error.status == 404 and error.code == "model_not_found":
+        return Reason.MODEL_NOT_FOUND
+    if error.code == "context_length_exceeded":
+        return Reason.CONTEXT_LENGTH_EXCEEDED
+    return Reason.INVALID_REQUEST
+
+
+def _decision_error(decision: Decision) -> ApiError:
+    if decision.reason is Reason.REQUEST_EXCEEDS_KV_BUDGET:
+        return api_errors.invalid_request(
+            decision.detail, param="max_tokens", code=Reason.REQUEST_EXCEEDS_KV_BUDGET.value
+        )
+    return api_errors.rate_limited(
+        decision.detail, decision.reason.value, decision.retry_after_s, {}
+    )

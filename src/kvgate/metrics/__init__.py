@@ -1,0 +1,5 @@
+"""Prometheus metrics and kvgate's HTTP endpoint."""
+
+from kvgate.metrics.definitions import Metrics
+
+__all__ = ["Metrics"]

@@ -1,0 +1,108 @@
+"""Every metric kvgate exports, in one place.
+
+Labels are bounded: `tenant`, `model` and `backend` come from the configuration (unknown
+values are never used as labels), `reason`, `outcome` and `cause` are enums.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvgate_requests",
+            "Requests decided by kvgate, by outcome (admitted, rejected, passthrough) and reason.",
+            ["outcome", "reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_prompt_tokens",
+            "Prompt tokens of settled requests (backend-reported when available).",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "kvgate_output_tokens",
+            "Output tokens of settled requests (backend-reported, or counted from the "
+            "streamed text when the stream was cut).",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "kvgate_cached_prompt_tokens",
+            "Prompt tokens the backend reported as served from its prefix cache.",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.settlements = Counter(
+            "kvgate_settlements",
+            "Reservations settled, by how the request ended.",
+            ["backend", "cause"],
+            registry=r,
+        )
+        self.kv_tokens_in_flight = Gauge(
+            "kvgate_kv_tokens_in_flight",
+            "KV tokens reserved by admitted, unsettled requests.",
+            ["backend"],
+            registry=r,
+        )
+        self.requests_in_flight = Gauge(
+            "kvgate_requests_in_flight",
+            "Admitted, unsettled requests.",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_budget_tokens = Gauge(
+            "kvgate_kv_budget_tokens",
+            "The configured KV token budget of each backend.",
+            ["backend"],
+            registry=r,
+        )
+        self.reserved_unused_tokens = Counter(
+            "kvgate_reserved_unused_tokens",
+            "KV tokens reserved at admission that the request did not use.",
+            ["backend"],
+            registry=r,
+        )
+        self.prompt_count_error = Histogram(
+            "kvgate_prompt_count_error_tokens",
+            "kvgate's prompt count minus the backend's usage.prompt_tokens, per request.",
+            ["model"],
+            buckets=(-100, -10, -1, -0.5, 0.5, 1, 10, 100, float("inf")),
+            registry=r,
+        )
+        self.prompt_count_mismatches = Counter(
+            "kvgate_prompt_count_mismatches",
+            "Requests whose prompt count differed from the backend's usage.",
+            ["model"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvgate_decision_seconds",
+            "Time from the request body's arrival to kvgate's admission reply.",
+            ["outcome"],
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+        self.stream_disconnects = Counter(
+            "kvgate_stream_disconnects",
+            "ext_proc streams that ended before the response finished, by phase.",
+            ["phase"],
+            registry=r,
+        )
+        self.expired_leases = Counter(
+            "kvgate_expired_leases",
+            "Reservations freed because their lease ran out (nobody settled them).",
+            ["backend"],
+            registry=r,
+        )
+        self.internal_errors = Counter(
+            "kvgate_internal_errors",
+            "Unexpected errors while handling a stream (each answered, none crashed kvgate).",
+            ["phase"],
+            registry=r,
+        )

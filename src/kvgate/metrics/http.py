@@ -1,0 +1,31 @@
+"""kvgate's HTTP port: Prometheus /metrics, /healthz (alive) and /readyz (ready to admit)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate.metrics.definitions import Metrics
+
+
+def create_http_app(metrics: Metrics, is_ready: Callable[[], bool]) -> web.Application:
+    async def metrics_handler(_: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        ready = is_ready()
+        return web.json_response(
+            {"status": "ready" if ready else "not_ready"}, status=200 if ready else 503
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

@@ -1,0 +1,260 @@
+"""OpenAI-shaped error responses.
+
+Every rejection kvgate emits (as an Envoy ImmediateResponse) carries the body
+OpenAI's API uses, so that official SDKs raise the right exception class and
+surface the message unchanged::
+
+    {"error": {"message": "...", "type": "...", "param": null, "code": null}}
+
+All four keys are always present (null when unknown), as in OpenAI's answers.
+
+Messages must be safe to show to the client: they never contain credentials,
+and any value echoed from the request is clipped (see :func:`clip`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+__all__ = [
+    "ApiError",
+    "clip",
+    "context_length_exceeded",
+    "invalid_api_key",
+    "invalid_request",
+    "method_not_allowed",
+    "missing_api_key",
+    "model_not_found",
+    "payload_too_large",
+    "rate_limited",
+    "service_unavailable",
+    "unsupported_path",
+]
+
+#: Content type of every error body (the ImmediateResponse must set it, or Envoy
+#: labels the body text/plain).
+CONTENT_TYPE = "application/json"
+
+INVALID_REQUEST_ERROR = "invalid_request_error"
+
+# Longest echo of a client-supplied value inside an error message. Long enough
+# to recognise a model name, short enough that a hostile value cannot bloat
+# logs or the response.
+_ECHO_LIMIT = 64
+
+
+def clip(value: object, limit: int = _ECHO_LIMIT) -> str:
+    """Render a client-supplied value for an error message, truncated to ``limit`` chars."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return text
+    return text[:limit] + "..."
+
+
+class ApiError(Exception):
+    """An error to answer with, carrying the HTTP status and OpenAI's error fields.
+
+    Raised by the parsers in this package and built by the helpers below; the
+    extproc layer turns it into an ImmediateResponse with ``status``,
+    ``headers`` (plus content-type) and ``to_body()``.
+    """
+
+    __slots__ = ("code", "headers", "message", "param", "status", "type")
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = INVALID_REQUEST_ERROR,  # OpenAI's field name
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        # Lower-case names: Envoy (HTTP/2 semantics) wants them that way.
+        self.headers: dict[str, str] = {k.lower(): v for k, v in headers.items()} if headers else {}
+
+    def to_dict(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def to_body(self) -> bytes:
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":")).encode()
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return (
+            f"ApiError(status={self.status}, type={self.type!r}, code={self.code!r}, "
+            f"param={self.param!r}, message={self.message!r})"
+        )
+
+
+# --------------------------------------------------------------------------- 4xx
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """400: the request body or a parameter is invalid."""
+    return ApiError(400, message, INVALID_REQUEST_ERROR, code, param)
+
+
+def missing_api_key() -> ApiError:
+    """401: no credential at all.
+
+    OpenAI answers this case with ``code: null``; so do we.
+    """
+    return ApiError(
+        401,
+        "You didn't provide an API key. Provide it in the Authorization header "
+        "using Bearer auth (Authorization: Bearer YOUR_KEY).",
+        INVALID_REQUEST_ERROR,
+        None,
+        None,
+        {"www-authenticate": "Bearer"},
+    )
+
+
+def invalid_api_key() -> ApiError:
+    """401: a credential was sent but is not valid.
+
+    OpenAI's body is ``type: invalid_request_error, code: invalid_api_key``. OpenAI
+    echoes a masked key; kvgate never echoes any part of it.
+    """
+    return ApiError(
+        401,
+        "Incorrect API key provided.",
+        INVALID_REQUEST_ERROR,
+        "invalid_api_key",
+        None,
+        {"www-authenticate": "Bearer"},
+    )
+
+
+def model_not_found(model: str) -> ApiError:
+    """404 with OpenAI's wording (also used when the key may not use the model)."""
+    return ApiError(
+        404,
+        f"The model `{clip(model)}` does not exist or you do not have access to it.",
+        INVALID_REQUEST_ERROR,
+        "model_not_found",
+        None,
+    )
+
+
+def context_length_exceeded(
+    prompt_tokens: int,
+    max_new: int | None,
+    max_context: int,
+    param: str = "messages",
+) -> ApiError:
+    """400: prompt (+ requested completion) does not fit the model's context.
+
+    Wording follows OpenAI's; ``param`` is "messages" for chat and should be
+    "prompt" for the completions endpoint.
+    """
+    what = "messages" if param == "messages" else "prompt"
+    if max_new:
+        message = (
+            f"This model's maximum context length is {max_context} tokens. However, you "
+            f"requested {prompt_tokens + max_new} tokens ({prompt_tokens} in the {what}, "
+            f"{max_new} in the completion). Please reduce the length of the {what} or "
+            f"completion."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"{what} resulted in {prompt_tokens} tokens. Please reduce the length of the "
+            f"{what}."
+        )
+    return ApiError(400, message, INVALID_REQUEST_ERROR, "context_length_exceeded", param)
+
+
+def payload_too_large(limit_bytes: int | None = None) -> ApiError:
+    """413: the request body is larger than kvgate will buffer or parse."""
+    message = "Request body is too large"
+    message += f" (limit {limit_bytes} bytes)." if limit_bytes is not None else "."
+    return ApiError(413, message, INVALID_REQUEST_ERROR, "payload_too_large", None)
+
+
+def unsupported_path(path: str, method: str = "POST") -> ApiError:
+    """404 for an endpoint kvgate does not serve (OpenAI: "Invalid URL (POST /v1/x)")."""
+    # Drop the query string: it is not part of the route and may hold secrets.
+    route = path.split("?", 1)[0]
+    return ApiError(
+        404,
+        f"Invalid URL ({clip(method, 16)} {clip(route)})",
+        INVALID_REQUEST_ERROR,
+        "unsupported_path",
+        None,
+    )
+
+
+def method_not_allowed(method: str, allowed: tuple[str, ...] = ("POST",)) -> ApiError:
+    """405 with the ``Allow`` header RFC 9110 requires."""
+    allow = ", ".join(allowed)
+    return ApiError(
+        405,
+        f"Method {clip(method, 16)} is not allowed on this endpoint; use {allow}.",
+        INVALID_REQUEST_ERROR,
+        "method_not_allowed",
+        None,
+        {"allow": allow},
+    )
+
+
+def _retry_headers(retry_after_s: float | None) -> dict[str, str]:
+    # Retry-After only takes whole seconds (RFC 9110), so round up and never say
+    # 0 (clients would hammer). OpenAI's SDKs prefer the finer `retry-after-ms`.
+    if retry_after_s is None or not math.isfinite(retry_after_s):
+        return {}
+    seconds = max(1, math.ceil(retry_after_s))
+    millis = max(1, math.ceil(retry_after_s * 1000.0))
+    return {"retry-after": str(seconds), "retry-after-ms": str(millis)}
+
+
+def rate_limited(
+    message: str,
+    code: str = "rate_limit_exceeded",
+    retry_after_s: float | None = None,
+    headers: Mapping[str, str] | None = None,
+    *,
+    error_type: str = "rate_limit_exceeded",
+) -> ApiError:
+    """429: a rate, concurrency or budget limit refused the request.
+
+    ``code`` carries kvgate's reason (e.g. "tokens_per_minute"). OpenAI itself
+    sends ``type: "tokens" | "requests"`` with ``code: "rate_limit_exceeded"``;
+    pass ``error_type``/``code`` accordingly for byte-level mimicry. SDKs key off
+    the status, not these strings. ``headers`` (e.g. ``x-ratelimit-*``) are
+    merged; Retry-After derived from ``retry_after_s`` wins over a passed one.
+    """
+    merged: dict[str, str] = dict(headers) if headers else {}
+    merged.update(_retry_headers(retry_after_s))
+    return ApiError(429, message, error_type, code, None, merged)
+
+
+# --------------------------------------------------------------------------- 5xx
+
+
+def service_unavailable(
+    message: str = "The server is temporarily unable to handle the request. Please retry.",
+    retry_after_s: float | None = None,
+) -> ApiError:
+    """503: kvgate (or what it depends on) cannot decide right now."""
+    return ApiError(
+        503, message, "server_error", "service_unavailable", None, _retry_headers(retry_after_s)
+    )

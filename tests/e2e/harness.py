@@ -1,0 +1,744 @@
+"""Process harness for end-to-end tests: the vLLM simulator, kvgate and the real Envoy.
+
+Everything listens on 127.0.0.1 on free ports, logs to files in a per-stack directory, and
+is torn down (SIGTERM, then SIGKILL) when the stack stops. When a process fails to come up,
+the error carries the tail of its log.
+
+    with Stack() as stack:
+        httpx.post(f"{stack.base_url}/v1/chat/completions", headers=stack.auth_headers(), ...)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENVOY_CONFIG = REPO_ROOT / "envoy" / "envoy.yaml"
+VENV_BIN = REPO_ROOT / ".venv" / "bin"
+DEFAULT_MODEL_DIR = REPO_ROOT / "var" / "models" / "qwen2.5-demo"
+DEFAULT_MODEL_NAME = "qwen2.5-demo"
+DEFAULT_BACKEND = "vllm-local"
+DEMO_TENANT = "demo"
+DEMO_API_KEY = "sk-kvgate-demo"
+
+# Names the harness looks up in envoy/envoy.yaml (see the comment at its top).
+EXTPROC_CLUSTER = "kvgate_extproc"
+TEMPLATE_BACKEND_CLUSTER = "vllm-local"
+
+
+def _bin(name: str) -> str:
+    """A console script of this venv, else one on PATH; fails loudly when neither exists."""
+    candidate = VENV_BIN / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name}: not in {VENV_BIN} nor on PATH")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------- Envoy config
+
+
+def _socket_address(port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def _set_single_endpoint(cluster: dict[str, Any], port: int) -> None:
+    cluster["load_assignment"] = {
+        "cluster_name": cluster["name"],
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(port)}}]}],
+    }
+
+
+def _iter_routes(config: dict[str, Any]) -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = []
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", []):
+            for net_filter in chain.get("filters", []):
+                route_config = net_filter.get("typed_config", {}).get("route_config")
+                if not route_config:
+                    continue
+                for vhost in route_config.get("virtual_hosts", []):
+                    routes.extend(vhost.get("routes", []))
+    return routes
+
+
+def render_envoy_config(
+    src: Path,
+    dst: Path,
+    *,
+    listen_port: int,
+    admin_port: int,
+    extproc_port: int,
+    backends: Mapping[str, int],
+    default_backend: str | None = None,
+) -> Path:
+    """Write a copy of the Envoy bootstrap `src` to `dst` with loopback addresses and ports.
+
+    - admin and every listener -> 127.0.0.1 (`listen_port` for the listener);
+    - cluster `kvgate_extproc` -> 127.0.0.1:`extproc_port`;
+    - one cluster per entry of `backends` (name -> port), each a copy of the `vllm-local`
+      cluster (named after the backend, as kvgate's x-kvgate-backend header expects);
+      the `vllm-local` template itself is dropped unless it is one of `backends`;
+    - routes that pointed at `vllm-local` point at `default_backend` (default: `vllm-local`
+      if listed, else the first backend).
+    The result is not validated here; see `validate_envoy_config`.
+    """
+    if not backends:
+        raise ValueError("render_envoy_config: at least one backend is needed")
+    config = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
+    if default_backend is None:
+        default_backend = (
+            TEMPLATE_BACKEND_CLUSTER if TEMPLATE_BACKEND_CLUSTER in backends else next(iter(backends))
+        )
+    if default_backend not in backends:
+        raise ValueError(f"default_backend {default_backend!r} is not one of {sorted(backends)}")
+
+    config["admin"]["address"] = _socket_address(admin_port)
+    listeners = config["static_resources"]["listeners"]
+    if len(listeners) != 1:
+        raise ValueError(f"{src}: expected exactly one listener, found {len(listeners)}")
+    listeners[0]["address"] = _socket_address(listen_port)
+
+    clusters: list[dict[str, Any]] = config["static_resources"]["clusters"]
+    by_name = {c["name"]: c for c in clusters}
+    if EXTPROC_CLUSTER not in by_name or TEMPLATE_BACKEND_CLUSTER not in by_name:
+        raise ValueError(
+            f"{src}: needs clusters {EXTPROC_CLUSTER!r} and {TEMPLATE_BACKEND_CLUSTER!r}"
+        )
+    _set_single_endpoint(by_name[EXTPROC_CLUSTER], extproc_port)
+
+    template = by_name[TEMPLATE_BACKEND_CLUSTER]
+    new_clusters = [c for c in clusters if c["name"] != TEMPLATE_BACKEND_CLUSTER]
+    for name, port in backends.items():
+        if name in by_name and name != TEMPLATE_BACKEND_CLUSTER:
+            raise ValueError(f"backend name {name!r} clashes with an existing Envoy cluster")
+        cluster = copy.deepcopy(template)
+        cluster["name"] = name
+        _set_single_endpoint(cluster, port)
+        new_clusters.append(cluster)
+    config["static_resources"]["clusters"] = new_clusters
+
+    for route in _iter_routes(config):
+        action = route.get("route", {})
+        if action.get("cluster") == TEMPLATE_BACKEND_CLUSTER:
+            action["cluster"] = default_backend
+
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return dst
+
+
+def validate_envoy_config(path: Path, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run `envoy --mode validate -c path`; the caller checks returncode (0 = valid)."""
+    return subprocess.run(
+        [_bin("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart",
+         "-l", "warning"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class ProcessError(RuntimeError):
+    """A managed process did not start, died, or did not become ready; carries its log tail."""
+
+
+class ManagedProcess:
+    """A subprocess in its own session, stdout+stderr to `log_dir/<name>.log`."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_dir = Path(log_dir)
+        self.log_path = self.log_dir / f"{name}.log"
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd or REPO_ROOT
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+        self.starts = 0
+
+    # lifecycle --------------------------------------------------------------
+    def start(self) -> Self:
+        if self.running:
+            raise ProcessError(f"{self.name}: already running (pid {self.pid})")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
+        self.starts += 1
+        self._log_file.write(
+            f"==== start #{self.starts}: {' '.join(self.argv)}\n".encode()
+        )
+        self._log_file.flush()
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=str(self.cwd),
+                start_new_session=True,  # own process group: stop() reaches its children too
+            )
+        except OSError as exc:
+            self._close_log()
+            raise ProcessError(f"{self.name}: cannot start {self.argv[0]}: {exc}") from exc
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited after `timeout` s. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._close_log()
+        return self.proc.returncode
+
+    def kill(self) -> int | None:
+        """SIGKILL at once (a crash, as far as the others can tell)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._close_log()
+        return self.proc.returncode
+
+    def restart(self, timeout: float = 10.0) -> Self:
+        self.stop(timeout)
+        return self.start()
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    # readiness --------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.proc is None:
+            raise ProcessError(f"{self.name}: never started")
+        code = self.proc.poll()
+        if code is not None:
+            raise ProcessError(
+                f"{self.name}: exited with code {code}\n{self.describe()}"
+            )
+
+    def wait_http(self, url: str, timeout: float = 30.0, *, status: int = 200) -> None:
+        """Poll GET `url` until it answers `status`; fail early if the process dies."""
+        deadline = time.monotonic() + timeout
+        last = "no attempt"
+        while True:
+            self._check_alive()
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as resp:
+                    if resp.status == status:
+                        return
+                    last = f"HTTP {resp.status}"
+            except urllib.error.HTTPError as exc:
+                if exc.code == status:
+                    return
+                last = f"HTTP {exc.code}"
+            except (OSError, urllib.error.URLError) as exc:
+                last = repr(exc)
+            if time.monotonic() > deadline:
+                raise ProcessError(
+                    f"{self.name}: {url} not answering {status} after {timeout:.0f}s "
+                    f"(last: {last})\n{self.describe()}"
+                )
+            time.sleep(0.1)
+
+    def wait_tcp(self, port: int, timeout: float = 30.0, *, host: str = "127.0.0.1") -> None:
+        """Wait until something accepts TCP connections on host:port."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                with socket.create_connection((host, port), timeout=1.0):
+                    return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise ProcessError(
+                        f"{self.name}: nothing listening on {host}:{port} after "
+                        f"{timeout:.0f}s ({exc})\n{self.describe()}"
+                    ) from exc
+            time.sleep(0.1)
+
+    # logs -------------------------------------------------------------------
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 80) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def describe(self, lines: int = 80) -> str:
+        return (
+            f"---- {self.name} (pid {self.pid}, rc {self.returncode}) log {self.log_path}, "
+            f"last {lines} lines:\n{self.log_tail(lines)}\n---- end {self.name}"
+        )
+
+    # context manager --------------------------------------------------------
+    def __enter__(self) -> Self:
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        if exc is not None:
+            sys.stderr.write(self.describe() + "\n")
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+@dataclass
+class SimOptions:
+    """Options of the vLLM simulator (one per backend)."""
+
+    num_gpu_blocks: int = 3000  # x16 = 48,000 tokens, the default backend budget
+    block_size: int = 16
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+def default_tenants() -> list[dict[str, Any]]:
+    return [{"name": DEMO_TENANT, "api_key": DEMO_API_KEY}]
+
+
+def default_models(model_dir: Path = DEFAULT_MODEL_DIR) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": DEFAULT_MODEL_NAME,
+            "tokenizer": str(model_dir),
+            "max_context": 32768,
+            "default_max_new_tokens": 1024,
+            "backend": DEFAULT_BACKEND,
+        }
+    ]
+
+
+def default_backends() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": DEFAULT_BACKEND,
+            "kv_budget_tokens": 48000,
+            "kv_block_size": 16,
+            "max_concurrent_requests": 256,
+        }
+    ]
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+_base_ids = itertools.count(1)
+
+
+class Stack:
+    """vLLM simulator(s) + kvgate + Envoy on free loopback ports.
+
+    tenants/models/backends replace the defaults (lists of dicts in kvgate's config schema).
+    A tenant dict may carry `api_key` (plain text) instead of `api_key_sha256`; the harness
+    hashes it and remembers the key in `api_keys`. `kvgate_overrides` is deep-merged into the
+    top level of kvgate's config (e.g. `{"server": {"lease_ttl_s": 5}}`). One simulator is
+    started per backend, serving the models that name that backend.
+    """
+
+    def __init__(
+        self,
+        *,
+        tenants: Sequence[Mapping[str, Any]] | None = None,
+        models: Sequence[Mapping[str, Any]] | None = None,
+        backends: Sequence[Mapping[str, Any]] | None = None,
+        sim: SimOptions | Mapping[str, Any] | None = None,
+        sim_per_backend: Mapping[str, SimOptions | Mapping[str, Any]] | None = None,
+        kvgate_overrides: Mapping[str, Any] | None = None,
+        envoy_config: Path = ENVOY_CONFIG,
+        work_dir: Path | None = None,
+        envoy_log_level: str = "warning",
+        start_timeout: float = 60.0,
+        keep_work_dir: bool = False,
+    ) -> None:
+        self._own_work_dir = work_dir is None
+        self.keep_work_dir = keep_work_dir
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvgate-e2e-"))
+        self.log_dir = self.work_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.envoy_config_src = Path(envoy_config)
+        self.envoy_log_level = envoy_log_level
+        self.start_timeout = start_timeout
+
+        self.api_keys: dict[str, str] = {}
+        self.tenants = [self._tenant(t) for t in (tenants or default_tenants())]
+        self.models = [dict(m) for m in (models or default_models())]
+        self.backends = [dict(b) for b in (backends or default_backends())]
+        self.kvgate_overrides = dict(kvgate_overrides or {})
+
+        base_sim = sim if isinstance(sim, SimOptions) else SimOptions(**dict(sim or {}))
+        self.sim_options: dict[str, SimOptions] = {}
+        for backend in self.backends:
+            override = (sim_per_backend or {}).get(backend["name"])
+            if override is None:
+                self.sim_options[backend["name"]] = copy.deepcopy(base_sim)
+            elif isinstance(override, SimOptions):
+                self.sim_options[backend["name"]] = override
+            else:
+                self.sim_options[backend["name"]] = SimOptions(**dict(override))
+
+        # ports
+        self.listen_port = free_port()
+        self.admin_port = free_port()
+        self.grpc_port = free_port()
+        self.kvgate_http_port = free_port()
+        self.sim_ports = {b["name"]: free_port() for b in self.backends}
+
+        self.kvgate_config_path = self.work_dir / "kvgate.yaml"
+        self.envoy_config_path = self.work_dir / "envoy.yaml"
+        self.sims: dict[str, ManagedProcess] = {}
+        self.kvgate: ManagedProcess | None = None
+        self.envoy: ManagedProcess | None = None
+        self._started = False
+
+    # config -----------------------------------------------------------------
+    def _tenant(self, tenant: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(tenant)
+        key = out.pop("api_key", None)
+        if key is not None:
+            if "api_key_sha256" in out:
+                raise ValueError(f"tenant {out.get('name')!r}: give api_key or api_key_sha256")
+            out["api_key_sha256"] = sha256_hex(str(key))
+            self.api_keys[str(out["name"])] = str(key)
+        return out
+
+    def kvgate_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "server": {
+                "grpc_listen": f"127.0.0.1:{self.grpc_port}",
+                "http_listen": f"127.0.0.1:{self.kvgate_http_port}",
+            },
+            "store": "memory",
+            "tenants": self.tenants,
+            "models": self.models,
+            "backends": self.backends,
+        }
+        return _deep_merge(config, self.kvgate_overrides)
+
+    def write_configs(self) -> None:
+        self.kvgate_config_path.write_text(
+            yaml.safe_dump(self.kvgate_config(), sort_keys=False), encoding="utf-8"
+        )
+        render_envoy_config(
+            self.envoy_config_src,
+            self.envoy_config_path,
+            listen_port=self.listen_port,
+            admin_port=self.admin_port,
+            extproc_port=self.grpc_port,
+            backends=self.sim_ports,
+        )
+
+    # urls -------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def sim_urls(self) -> dict[str, str]:
+        return {name: f"http://127.0.0.1:{port}" for name, port in self.sim_ports.items()}
+
+    @property
+    def sim_url(self) -> str:
+        """The first backend's simulator."""
+        return self.sim_urls[self.backends[0]["name"]]
+
+    @property
+    def kvgate_http_url(self) -> str:
+        return f"http://127.0.0.1:{self.kvgate_http_port}"
+
+    @property
+    def kvgate_metrics_url(self) -> str:
+        return f"{self.kvgate_http_url}/metrics"
+
+    @property
+    def kvgate_grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def envoy_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def api_key(self, tenant: str = DEMO_TENANT) -> str:
+        return self.api_keys[tenant]
+
+    def auth_headers(self, tenant: str = DEMO_TENANT) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key(tenant)}"}
+
+    # processes --------------------------------------------------------------
+    def _sim_argv(self, backend: str) -> list[str]:
+        opts = self.sim_options[backend]
+        served = [m for m in self.models if m["backend"] == backend] or self.models[:1]
+        argv = [
+            _bin("vllm-sim"),
+            "--model-dir", str(served[0]["tokenizer"]),
+            "--served-model-name", str(served[0]["name"]),
+            "--port", str(self.sim_ports[backend]),
+            "--num-gpu-blocks", str(opts.num_gpu_blocks),
+            "--block-size", str(opts.block_size),
+        ]
+        if opts.ttft_ms is not None:
+            argv += ["--ttft-ms", str(opts.ttft_ms)]
+        if opts.itl_ms is not None:
+            argv += ["--itl-ms", str(opts.itl_ms)]
+        return argv + list(opts.extra_args)
+
+    def _kvgate_argv(self) -> list[str]:
+        return [sys.executable, "-m", "kvgate.cli", "serve", "--config",
+                str(self.kvgate_config_path)]
+
+    def _envoy_argv(self) -> list[str]:
+        return [
+            _bin("envoy"),
+            "-c", str(self.envoy_config_path),
+            # Each test Envoy is independent: no shared memory, no base-id clashes.
+            "--disable-hot-restart",
+            "--concurrency", "1",
+            "-l", self.envoy_log_level,
+            "--drain-time-s", "1",
+            "--parent-shutdown-time-s", "2",
+        ]
+
+    def processes(self) -> list[ManagedProcess]:
+        procs = list(self.sims.values())
+        procs += [p for p in (self.kvgate, self.envoy) if p is not None]
+        return procs
+
+    def start(self) -> Self:
+        if self._started:
+            return self
+        self._started = True
+        try:
+            self.write_configs()
+            for backend in self.backends:
+                name = backend["name"]
+                self.sims[name] = ManagedProcess(
+                    f"sim-{name}", self._sim_argv(name), log_dir=self.log_dir
+                ).start()
+            self.kvgate = ManagedProcess(
+                "kvgate", self._kvgate_argv(), log_dir=self.log_dir
+            ).start()
+            self.envoy = ManagedProcess(
+                "envoy", self._envoy_argv(), log_dir=self.log_dir
+            ).start()
+            for name, sim in self.sims.items():
+                sim.wait_http(f"{self.sim_urls[name]}/health", self.start_timeout)
+            self.wait_kvgate_ready()
+            self.envoy.wait_http(f"{self.envoy_admin_url}/ready", self.start_timeout)
+            self.wait_extproc_healthy()
+        except BaseException:
+            sys.stderr.write(self.dump_logs())
+            self.stop()
+            raise
+        return self
+
+    def wait_kvgate_ready(self, timeout: float | None = None) -> None:
+        assert self.kvgate is not None
+        self.kvgate.wait_http(f"{self.kvgate_http_url}/healthz", timeout or self.start_timeout)
+
+    def wait_extproc_healthy(self, timeout: float = 15.0) -> None:
+        """Wait until Envoy's gRPC health check marks kvgate's endpoint healthy."""
+        assert self.envoy is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.extproc_health_flags()
+            if status == "healthy":
+                return
+            if time.monotonic() > deadline:
+                raise ProcessError(
+                    f"Envoy still sees kvgate as {status!r} after {timeout:.0f}s\n"
+                    + self.dump_logs()
+                )
+            time.sleep(0.1)
+
+    def extproc_health_flags(self) -> str:
+        """'healthy', or Envoy's health flags for the kvgate endpoint (e.g. '/failed_active_hc')."""
+        try:
+            with urllib.request.urlopen(f"{self.envoy_admin_url}/clusters", timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError as exc:
+            return f"admin unreachable: {exc!r}"
+        prefix = f"{EXTPROC_CLUSTER}::127.0.0.1:{self.grpc_port}::health_flags::"
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        return "unknown"
+
+    def kill_kvgate(self) -> None:
+        """SIGKILL kvgate (no drain, no settlement): a crash."""
+        assert self.kvgate is not None
+        self.kvgate.kill()
+
+    def stop_kvgate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM kvgate (graceful shutdown), SIGKILL after `timeout`."""
+        assert self.kvgate is not None
+        return self.kvgate.stop(timeout)
+
+    def start_kvgate(self, *, wait_envoy_healthy: bool = True) -> None:
+        assert self.kvgate is not None
+        self.kvgate.start()
+        self.wait_kvgate_ready()
+        if wait_envoy_healthy:
+            self.wait_extproc_healthy()
+
+    def restart_kvgate(self, *, graceful: bool = True, wait_envoy_healthy: bool = True) -> None:
+        """Stop kvgate (SIGTERM, or SIGKILL with graceful=False), start it again, wait ready.
+
+        It keeps its ports and config file (rewrite `kvgate_config_path` first to change it).
+        """
+        if graceful:
+            self.stop_kvgate()
+        else:
+            self.kill_kvgate()
+        self.start_kvgate(wait_envoy_healthy=wait_envoy_healthy)
+
+    def stop(self) -> None:
+        # Envoy first (no new traffic), then kvgate (settles), then the simulators.
+        for proc in [self.envoy, self.kvgate, *self.sims.values()]:
+            if proc is not None:
+                try:
+                    proc.stop(timeout=10.0)
+                except Exception as exc:  # keep stopping the others
+                    sys.stderr.write(f"stopping {proc.name}: {exc!r}\n")
+        if self._own_work_dir and not self.keep_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # logs -------------------------------------------------------------------
+    def dump_logs(self, lines: int = 80) -> str:
+        parts = [f"==== stack work dir {self.work_dir}"]
+        parts += [p.describe(lines) for p in self.processes()]
+        return "\n".join(parts) + "\n"
+
+    def access_log(self) -> list[dict[str, Any]]:
+        """Envoy's JSON access log lines so far (Envoy logs them to stdout)."""
+        if self.envoy is None:
+            return []
+        entries: list[dict[str, Any]] = []
+        for line in self.envoy.log_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    entries.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return entries
+
+    def envoy_stats(self, prefix: str = "") -> dict[str, int]:
+        """Envoy counters and gauges whose names start with `prefix`."""
+        with urllib.request.urlopen(
+            f"{self.envoy_admin_url}/stats?filter=^{prefix}", timeout=5
+        ) as resp:
+            text = resp.read().decode()
+        stats: dict[str, int] = {}
+        for line in text.splitlines():
+            name, sep, value = line.partition(": ")
+            if sep and value.strip().lstrip("-").isdigit():
+                stats[name] = int(value)
+        return stats
+
+    # context manager --------------------------------------------------------
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            sys.stderr.write(self.dump_logs())
+        self.stop()
