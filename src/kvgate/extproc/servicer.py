@@ -20,7 +20,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, services: GatewayServices) -> None:
         self._services = services
 
-    async def Process(  # noqa: N802 - the gRPC method name
+    async def Process(  # the gRPC method name
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,

@@ -1,0 +1,120 @@
+"""Configuration validation: every error names the field and the reason."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvgate.config import ConfigError, compile_snapshot, hash_api_key, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "deploy/local/kvgate.yaml"
+
+
+def base() -> dict:
+    return yaml.safe_load(DEMO.read_text())
+
+
+def test_demo_config_loads_and_compiles() -> None:
+    snapshot = compile_snapshot(load_config(DEMO))
+    assert snapshot.tenants_by_key_hash[hash_api_key("sk-kvgate-demo")] == "demo"
+    assert snapshot.models["qwen2.5-demo"].backend == "vllm-local"
+    assert snapshot.backends["vllm-local"].kv_budget_tokens == 48_000
+
+
+def test_hash_key_matches_sha256() -> None:
+    assert hash_api_key("sk-kvgate-demo") == (
+        "3e0d2fcfa074e6300f7d4f6f15fcad9a4f12255fd20bc4f69a9036b348dc4c34"
+    )
+
+
+def _mutated(path: list, value) -> dict:
+    data = copy.deepcopy(base())
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        (["tenants", 0, "api_key_sha256"], "sk-kvgate-demo", "tenants.0.api_key_sha256"),
+        (["models", 0, "backend"], "nowhere", "models.0.backend: 'nowhere'"),
+        (["models", 0, "max_context"], 0, "models.0.max_context"),
+        (["models", 0, "tokenizer"], KeyError, "models.0.tokenizer: Field required"),
+        (["backends", 0, "kv_budget_tokens"], -5, "backends.0.kv_budget_tokens"),
+        (["backends", 0, "kv_block_size"], 100_000, "at least one KV block"),
+        (["backends", 0, "name"], "bad name!", "backends.0.name"),
+        (["server", "grpc_listen"], "50051", "server.grpc_listen"),
+        (["server", "unknown_field"], 1, "server.unknown_field: Extra inputs"),
+        (["store"], "postgres", "store"),
+    ],
+)
+def test_errors_name_the_field(path: list, value, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(_mutated(path, value), "cfg.yaml")
+    assert expected in str(info.value)
+    assert str(info.value).startswith("cfg.yaml: invalid configuration")
+
+
+def test_duplicate_names_and_shared_keys_are_rejected() -> None:
+    data = base()
+    data["tenants"].append(dict(data["tenants"][0], name="other"))
+    with pytest.raises(ConfigError, match="share an API key"):
+        parse_config(data)
+    data = base()
+    data["models"].append(data["models"][0])
+    with pytest.raises(ConfigError, match="'qwen2.5-demo' appears twice"):
+        parse_config(data)
+
+
+def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_cli_check_config_and_hash_key(tmp_path: Path) -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "check-config", str(DEMO)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "OK (1 tenants, 1 models, 1 backends)" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_mutated(["models", 0, "backend"], "nowhere")))
+    failed = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert failed.returncode == 2
+    assert "models.0.backend" in failed.stderr
+    hashed = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "hash-key"],
+        input="sk-kvgate-demo\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert hashed.stdout.strip() == hash_api_key("sk-kvgate-demo")

@@ -1,0 +1,86 @@
+"""The memory store: atomic reserve, idempotent settle, leases, ledger."""
+
+from __future__ import annotations
+
+from kvgate.policy import (
+    ActualUsage,
+    AdmissionRequest,
+    BackendLimits,
+    ManualClock,
+    Reason,
+    Reservation,
+    SettleCause,
+)
+from kvgate.store import MemoryStore
+
+LIMITS = BackendLimits(
+    name="b", kv_budget_tokens=1_000, kv_block_size=10, max_concurrent_requests=8
+)
+
+
+def req(prompt: int, max_new: int, tenant: str = "t") -> AdmissionRequest:
+    return AdmissionRequest(
+        request_id="r",
+        tenant=tenant,
+        model="m",
+        backend="b",
+        prompt_tokens=prompt,
+        max_new_tokens=max_new,
+    )
+
+
+async def test_settle_releases_and_records_exactly_once() -> None:
+    store = MemoryStore(lease_ttl_s=60, clock=ManualClock())
+    decision = await store.reserve(req(95, 100), LIMITS)
+    assert decision.admitted and decision.reservation is not None
+    assert decision.reservation.kv_tokens == 200
+    usage = ActualUsage(prompt_tokens=95, output_tokens=7)
+    first = await store.settle(decision.reservation, SettleCause.COMPLETED, usage)
+    second = await store.settle(decision.reservation, SettleCause.DISCONNECTED, usage)
+    assert first.applied and not second.applied
+    totals = await store.usage_totals()
+    assert totals[("t", "m")].requests == 1
+    assert totals[("t", "m")].prompt_tokens == 95
+    assert totals[("t", "m")].output_tokens == 7
+    [status] = await store.backend_status()
+    assert status.kv_tokens_in_flight == 0 and status.requests_in_flight == 0
+
+
+async def test_full_backend_rejects_until_capacity_returns() -> None:
+    store = MemoryStore(lease_ttl_s=60, clock=ManualClock())
+    held: list[Reservation] = []
+    for _ in range(5):
+        decision = await store.reserve(req(100, 100), LIMITS)
+        assert decision.admitted and decision.reservation
+        held.append(decision.reservation)
+    rejected = await store.reserve(req(100, 100), LIMITS)
+    assert rejected.reason is Reason.KV_BUDGET_EXHAUSTED
+    await store.settle(held[0], SettleCause.COMPLETED, ActualUsage(100, 100))
+    assert (await store.reserve(req(100, 100), LIMITS)).admitted
+
+
+async def test_expired_leases_free_capacity_and_are_reported() -> None:
+    clock = ManualClock()
+    expired: list[Reservation] = []
+    store = MemoryStore(lease_ttl_s=30, clock=clock, on_lease_expired=expired.append)
+    lost = await store.reserve(req(500, 500), LIMITS)
+    assert lost.admitted and lost.reservation
+    assert not (await store.reserve(req(10, 10), LIMITS)).admitted
+    clock.advance(31)
+    assert (await store.reserve(req(10, 10), LIMITS)).admitted
+    assert [r.reservation_id for r in expired] == [lost.reservation.reservation_id]
+    # A late settlement of an expired lease charges nothing and frees nothing twice.
+    late = await store.settle(lost.reservation, SettleCause.COMPLETED, ActualUsage(500, 1))
+    assert not late.applied
+
+
+async def test_renewed_lease_survives() -> None:
+    clock = ManualClock()
+    store = MemoryStore(lease_ttl_s=30, clock=clock)
+    decision = await store.reserve(req(10, 10), LIMITS)
+    assert decision.reservation
+    for _ in range(5):
+        clock.advance(20)
+        assert await store.renew(decision.reservation)
+    [status] = await store.backend_status()
+    assert status.requests_in_flight == 1
