@@ -74,7 +74,7 @@ def test_duplicate_names_and_shared_keys_are_rejected() -> None:
         parse_config(data)
     data = base()
     data["models"].append(data["models"][0])
-    with pytest.raises(ConfigError, match="'qwen2.5-demo' appears twice"):
+    with pytest.raises(ConfigError, match=r"'qwen2\.5-demo' appears twice"):
         parse_config(data)
 
 

@@ -45,8 +45,8 @@ class ServerConfig(_Strict):
     @classmethod
     def _host_port(cls, value: str) -> str:
         host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("must be HOST:PORT with a port from 1 to 65535")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError("must be HOST:PORT with a port from 0 (any free port) to 65535")
         return value
 
 
