@@ -1,0 +1,412 @@
+"""Loading, compiling and rendering Hugging Face chat templates, as transformers does.
+
+vLLM renders chat prompts with ``tokenizer.apply_chat_template(..., tokenize=False)``
+from transformers, so to count what vLLM counts we reproduce transformers' renderer:
+the same sandboxed Jinja environment and helpers, the same message normalisation
+(drop None-valued keys, alias reasoning fields), the same template selection and the
+same ``continue_final_message`` trimming. transformers itself is not imported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvgate.tokenize.errors import PromptRenderError
+
+ContentFormat = Literal["string", "openai"]
+
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"
+
+# Names apply_chat_template binds itself; request kwargs may not replace them.
+_RESERVED_VARS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
+# vLLM refuses these in chat_template_kwargs outright.
+_FORBIDDEN_KWARGS = frozenset({"chat_template", "tokenize"})
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept ``{% generation %}...{% endgeneration %}`` (assistant-mask markers).
+
+    transformers registers such a tag; templates that use it must parse here too. We
+    never need the mask, so the block just renders its body.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson HTML-escapes and sorts keys; transformers' does neither.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _SafeDict:
+    """``dict(...)`` for templates without exposing the type object itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _SafeNamespace(jinja2.utils.Namespace):
+    """A Jinja namespace that refuses underscore names (no route to CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - mirrors Namespace's trick
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _SafeNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _SafeNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates may not set underscore attributes on a namespace: {name!r}"
+            )
+
+
+def make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _SafeDict()
+    env.globals["namespace"] = _SafeNamespace
+    return env
+
+
+# --- content-format detection (what vLLM calls "auto") ----------------------------------
+#
+# vLLM inspects the template's AST: if some loop iterates over a message's content
+# (``{% for part in message['content'] %}``) the template wants OpenAI-style part lists
+# ("openai"); otherwise text parts are joined into one string ("string"). This is our
+# own walk with the same rules: names bound to ``messages`` (directly, via filters,
+# tests or slices, or through ``{% set x = messages... %}``), loops over those names,
+# and loops over ``<loop var>.content`` / ``<loop var>['content']``.
+
+
+def _peel(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
+    """Strip filters, tests and slices: ``messages[1:] | reverse`` -> ``messages``."""
+    while True:
+        if isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            return node
+
+
+def _is_name(node: jinja2.nodes.Node, names: set[str]) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+
+
+def _is_field_of(node: jinja2.nodes.Node, names: set[str], key: str) -> bool:
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == key and _is_name(node.node, names)
+    if isinstance(node, jinja2.nodes.Getitem):
+        return (
+            isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == key
+            and _is_name(node.node, names)
+        )
+    return False
+
+
+def _aliases_of(root: jinja2.nodes.Template, name: str) -> set[str]:
+    found = {name}
+    pending = deque([name])
+    while pending:
+        current = pending.popleft()
+        for assign in root.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if (
+                isinstance(target, jinja2.nodes.Name)
+                and target.name not in found
+                and _is_name(_peel(assign.node), {current})
+            ):
+                found.add(target.name)
+                pending.append(target.name)
+    return found
+
+
+def _loop_targets(root: jinja2.nodes.Template, iterables: set[str]) -> Iterator[str]:
+    for loop in root.find_all(jinja2.nodes.For):
+        if isinstance(loop.target, jinja2.nodes.Name) and _is_name(_peel(loop.iter), iterables):
+            yield loop.target.name
+
+
+def detect_content_format(env: jinja2.Environment, source: str) -> ContentFormat:
+    try:
+        root = env.parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    message_vars = set(_loop_targets(root, _aliases_of(root, "messages")))
+    for loop in root.find_all(jinja2.nodes.For):
+        if _is_field_of(_peel(loop.iter), message_vars, "content"):
+            return "openai"
+    return "string"
+
+
+# --- templates ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompiledTemplate:
+    name: str
+    source: str
+    template: jinja2.Template
+    content_format: ContentFormat
+    variables: frozenset[str]  # undeclared names the template reads
+
+
+def load_template_sources(model_dir: Path) -> dict[str, str] | str | None:
+    """The model's chat template(s), resolved as transformers 5 does.
+
+    ``chat_template.jinja`` (and ``additional_chat_templates/*.jinja``) beside the
+    tokenizer take precedence over ``chat_template`` in tokenizer_config.json, which may
+    be a string or a list of ``{"name", "template"}``.
+    """
+    files: dict[str, str] = {}
+    main = model_dir / TEMPLATE_FILE
+    if main.is_file():
+        files["default"] = main.read_text(encoding="utf-8")
+    extra_dir = model_dir / TEMPLATE_DIR
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            files[path.stem] = path.read_text(encoding="utf-8")
+    if files:
+        return files["default"] if list(files) == ["default"] else files
+
+    config_path = model_dir / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    raw = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(raw, list):
+        return {item["name"]: item["template"] for item in raw}
+    if isinstance(raw, str):
+        return raw
+    return None
+
+
+class ChatTemplate:
+    """A model's compiled chat template(s) plus the special-token variables it sees."""
+
+    def __init__(
+        self, sources: dict[str, str] | str, special_tokens: Mapping[str, str] | None = None
+    ) -> None:
+        self._env = make_environment()
+        named = {"default": sources} if isinstance(sources, str) else dict(sources)
+        self._single = isinstance(sources, str)
+        self._templates = {name: self._compile(name, src) for name, src in named.items()}
+        # Passed to every render, like transformers' special_tokens_map (request kwargs
+        # may override them).
+        self._special_tokens = dict(special_tokens or {})
+
+    def _compile(self, name: str, source: str) -> CompiledTemplate:
+        try:
+            template = self._env.from_string(source)
+            variables = frozenset(jinja2.meta.find_undeclared_variables(self._env.parse(source)))
+        except jinja2.TemplateError as exc:
+            # A broken template is a deployment error, not a client error: fail at load.
+            raise ValueError(f"chat template {name!r} does not compile: {exc}") from exc
+        return CompiledTemplate(
+            name=name,
+            source=source,
+            template=template,
+            content_format=detect_content_format(self._env, source),
+            variables=variables,
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._templates)
+
+    def select(self, tools: list[Any] | None) -> CompiledTemplate:
+        """Pick the template transformers would: "tool_use" when tools are passed."""
+        if self._single:
+            return self._templates["default"]
+        if tools is not None and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        raise PromptRenderError(
+            "the model has several chat templates and none is named 'default'"
+        )
+
+    def render(
+        self,
+        template: CompiledTemplate,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        """Render an already-preprocessed conversation (see ``messages.parse_messages``)."""
+        if not conversation:
+            raise PromptRenderError("messages must contain at least one message")
+        if continue_final_message and add_generation_prompt:
+            raise PromptRenderError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        kwargs = self._template_kwargs(template, chat_template_kwargs)
+        chat = _alias_reasoning(_drop_none(conversation))
+
+        final_text: str | None = None
+        if continue_final_message:
+            final_text = _tag_final_message(chat, template.source)
+
+        try:
+            rendered = template.template.render(
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            # raise_exception() messages are written for users ("roles must alternate").
+            raise PromptRenderError(f"chat template error: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # Templates indexing into shapes they did not expect.
+            raise PromptRenderError(
+                f"the messages do not fit the model's chat template ({type(exc).__name__})"
+            ) from exc
+
+        if final_text is not None:
+            rendered = _trim_after_final(rendered, final_text)
+        return rendered
+
+    def _template_kwargs(
+        self, template: CompiledTemplate, chat_template_kwargs: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(self._special_tokens)
+        if not chat_template_kwargs:
+            return kwargs
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise PromptRenderError("chat_template_kwargs must be an object")
+        forbidden = _FORBIDDEN_KWARGS & set(chat_template_kwargs)
+        if forbidden:
+            raise PromptRenderError(
+                f"chat_template_kwargs may not set {', '.join(sorted(forbidden))}"
+            )
+        for key, value in chat_template_kwargs.items():
+            # vLLM forwards only variables the template reads, and its own request
+            # fields (add_generation_prompt, ...) win over same-named kwargs.
+            if key in template.variables and key not in _RESERVED_VARS:
+                kwargs[key] = value
+        return kwargs
+
+
+def _drop_none(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # transformers 5 drops None-valued keys: many templates render literal "None" else.
+    return [{k: v for k, v in message.items() if v is not None} for message in conversation]
+
+
+def _alias_reasoning(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # transformers copies a message's reasoning under "thinking" and "reasoning_content"
+    # so templates written for either name find it.
+    out = []
+    for message in conversation:
+        reasoning = next(
+            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+        )
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _tag_final_message(chat: list[dict[str, Any]], source: str) -> str:
+    """Mark the end of the final message so the rendered prompt can be cut there."""
+    if "content" not in source:
+        raise PromptRenderError(
+            "continue_final_message is set but the chat template has no content field"
+        )
+    last = dict(chat[-1])
+    content = last.get("content")
+    if content is None:
+        raise PromptRenderError("continue_final_message is set but the final message is empty")
+    if isinstance(content, list):
+        blocks = [dict(b) if isinstance(b, dict) else b for b in content]
+        for block in reversed(blocks):
+            if isinstance(block, dict) and "text" in block:
+                final_text = str(block["text"])
+                block["text"] = final_text + _CONTINUE_TAG
+                break
+        else:
+            raise PromptRenderError(
+                "continue_final_message is set but the final message has no text to continue"
+            )
+        last["content"] = blocks
+    else:
+        final_text = str(content)
+        last["content"] = final_text + _CONTINUE_TAG
+    chat[-1] = last
+    return final_text
+
+
+def _trim_after_final(rendered: str, final_text: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise PromptRenderError(
+            "continue_final_message is set but the chat template drops the final message"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    # The template trimmed the trailing space after the tag: trim the same way.
+    return rendered[:at].rstrip()

@@ -1,0 +1,68 @@
+"""Configuration of the vLLM simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# The vLLM release whose OpenAI-server wire format the simulator reproduces.
+VLLM_VERSION = "0.10.2"
+
+# Without --num-gpu-blocks a real vLLM profiles GPU memory; we pick a fixed, roomy
+# figure instead (about what a Qwen2-7B in bf16 gets on an 80 GB card).
+DEFAULT_NUM_GPU_BLOCKS = 65536
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything that shapes one simulated vLLM server.
+
+    ``num_gpu_blocks * block_size`` is the KV capacity in tokens. A real vLLM refuses to
+    start when that is below ``max_model_len``; the simulator instead lowers its
+    effective context length to the capacity (see :attr:`effective_max_model_len`) so
+    that tiny caches, useful for preemption tests, still serve every admitted request.
+    """
+
+    model_dir: Path
+    served_model_name: str
+    max_model_len: int = 32768
+    num_gpu_blocks: int | None = None
+    block_size: int = 16
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    default_output_tokens: int = 16
+    max_num_seqs: int = 256
+    force_include_usage: bool = False
+    # A "stop" finish ends on the EOS token, counted in completion_tokens but not
+    # shown, as a real model does. False makes every generated token visible text.
+    eos_on_stop: bool = True
+    # How many finished requests /sim/stats remembers.
+    served_history: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError("num_gpu_blocks must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.default_output_tokens < 1:
+            raise ValueError("default_output_tokens must be >= 1")
+        if self.ttft_ms < 0 or self.itl_ms < 0:
+            raise ValueError("latencies must be >= 0")
+
+    @property
+    def gpu_blocks(self) -> int:
+        return self.num_gpu_blocks if self.num_gpu_blocks is not None else DEFAULT_NUM_GPU_BLOCKS
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.gpu_blocks * self.block_size
+
+    @property
+    def effective_max_model_len(self) -> int:
+        # Why: guarantees any single admitted request fits the cache on its own, so
+        # the FIFO scheduler can never wedge behind a request that cannot run.
+        return min(self.max_model_len, self.kv_capacity_tokens)
