@@ -226,7 +226,10 @@ class StreamSession:
         )
         if not plan.ok:
             raise api_errors.context_length_exceeded(
-                prompt_tokens, plan.max_new_tokens, route.max_context
+                prompt_tokens,
+                plan.max_new_tokens,
+                route.max_context,
+                param="messages" if request.kind == "chat" else "prompt",
             )
         self._max_new_tokens = plan.max_new_tokens
 
@@ -237,7 +240,7 @@ class StreamSession:
             backend=route.backend,
             prompt_tokens=prompt_tokens,
             max_new_tokens=plan.max_new_tokens,
-            choices=request.n,
+            choices=request.num_sequences,
         )
         decision = await self._svc.store.reserve(admission, limits)
         if not decision.admitted:

@@ -203,12 +203,23 @@ def unsupported_path(path: str, method: str = "POST") -> ApiError:
     )
 
 
-def method_not_allowed(method: str, allowed: tuple[str, ...] = ("POST",)) -> ApiError:
-    """405 with the ``Allow`` header RFC 9110 requires."""
+def method_not_allowed(
+    method: str, path: str | None = None, allowed: tuple[str, ...] | None = None
+) -> ApiError:
+    """405 with the ``Allow`` header RFC 9110 requires.
+
+    ``allowed`` defaults from ``path``: GET/HEAD for the read-only ``/v1/models``
+    routes, POST for everything else (the generation endpoints).
+    """
+    route = path.partition("?")[0] if path is not None else None
+    if allowed is None:
+        read_only = route is not None and (route == "/v1/models" or route.startswith("/v1/models/"))
+        allowed = ("GET", "HEAD") if read_only else ("POST",)
     allow = ", ".join(allowed)
+    where = f"on {clip(route)}" if route else "on this endpoint"
     return ApiError(
         405,
-        f"Method {clip(method, 16)} is not allowed on this endpoint; use {allow}.",
+        f"Method {clip(method, 16)} is not allowed {where}; use {allow}.",
         INVALID_REQUEST_ERROR,
         "method_not_allowed",
         None,
