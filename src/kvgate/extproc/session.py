@@ -218,7 +218,9 @@ class StreamSession:
                     request.model, request.prompt
                 )
         except PromptRenderError as exc:
-            raise api_errors.invalid_request(str(exc), param="messages") from None
+            raise api_errors.invalid_request(
+                exc.client_message, param="messages" if request.kind == "chat" else "prompt"
+            ) from None
         self._prompt_tokens = prompt_tokens
 
         plan = plan_new_tokens(

@@ -94,7 +94,8 @@ class _SafeDict:
 class _SafeNamespace(jinja2.utils.Namespace):
     """A Jinja namespace that refuses underscore names (no route to CPython internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - mirrors Namespace's trick
+    # No named ``self``: like Jinja's Namespace, so ``namespace(self=...)`` still works.
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:
@@ -140,12 +141,12 @@ def make_environment() -> ImmutableSandboxedEnvironment:
 def _peel(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
     """Strip filters, tests and slices: ``messages[1:] | reverse`` -> ``messages``."""
     while True:
-        if isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None:
-            node = node.node
-        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
-            node = node.node
-        else:
+        wrapped = (
+            isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None
+        ) or (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice))
+        if not wrapped:
             return node
+        node = node.node
 
 
 def _is_name(node: jinja2.nodes.Node, names: set[str]) -> bool:
@@ -281,9 +282,7 @@ class ChatTemplate:
             return self._templates["tool_use"]
         if "default" in self._templates:
             return self._templates["default"]
-        raise PromptRenderError(
-            "the model has several chat templates and none is named 'default'"
-        )
+        raise PromptRenderError("the model has several chat templates and none is named 'default'")
 
     def render(
         self,

@@ -1,0 +1,241 @@
+"""Counting prompt tokens the way vLLM's OpenAI server does.
+
+* Chat: messages are preprocessed like vLLM (``messages.parse_messages``), rendered with
+  the model's chat template (``chat_template.ChatTemplate``), and the prompt string is
+  encoded with ``add_special_tokens=False`` (vLLM's default for chat requests: the
+  template already wrote BOS and friends).
+* Completions: a string prompt is encoded with ``add_special_tokens=True``; a list of
+  token ids is counted as given.
+* Output text: encoded without special tokens.
+
+Only ``tokenizers`` is used (the same Rust tokenizer transformers wraps); kvgate does
+not depend on transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from kvgate.tokenize.chat_template import ChatTemplate, load_template_sources
+from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
+from kvgate.tokenize.messages import normalize_tools, parse_messages
+
+# Named special tokens transformers passes to chat templates (its special_tokens_map).
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores a special token as a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class PromptCounter:
+    """Counts tokens for one model. Thread-safe: holds no per-call state."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        tokenizer_config: Mapping[str, Any],
+        chat_template: ChatTemplate | None,
+        *,
+        name: str = "",
+    ) -> None:
+        self.name = name
+        self._tokenizer = tokenizer
+        # The batch entry points release the GIL while Rust works (plain ``encode`` does
+        # not), so the event loop keeps running while a worker thread tokenizes; the
+        # "fast" variant also skips offsets, which counting never needs.
+        self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        self._chat_template = chat_template
+        self._prefix, self._suffix = self._special_affixes(tokenizer, tokenizer_config)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path | str, *, name: str = "") -> PromptCounter:
+        path = Path(model_dir)
+        try:
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+            sources = load_template_sources(path)
+            specials = {
+                key: text
+                for key in _SPECIAL_TOKEN_NAMES
+                if (text := _token_text(config.get(key))) is not None
+            }
+            template = ChatTemplate(sources, specials) if sources is not None else None
+        except Exception as exc:  # any unreadable file or bad JSON/template is fatal
+            raise TokenizerLoadError(str(path), str(exc)) from exc
+        return cls(tokenizer, config, template, name=name or path.name)
+
+    # -- special tokens added by encode(add_special_tokens=True) ---------------------------
+
+    @staticmethod
+    def _special_affixes(
+        tokenizer: Tokenizer, config: Mapping[str, Any]
+    ) -> tuple[list[int], list[int]]:
+        """The ids ``add_special_tokens=True`` puts before and after a single text.
+
+        Mirrors transformers 5's TokenizersBackend: when tokenizer_config sets
+        ``add_bos_token`` / ``add_eos_token`` (or tokenizer.json has no post-processor)
+        the post-processor becomes ``[bos] $A [eos]`` per those flags; otherwise the one
+        in tokenizer.json (e.g. Llama 3's TemplateProcessing adding <|begin_of_text|>)
+        decides. For single sequences post-processors add fixed ids, so we measure
+        them once instead of re-running them per request.
+        """
+        explicit = "add_bos_token" in config or "add_eos_token" in config
+        if explicit or tokenizer.post_processor is None:
+            prefix: list[int] = []
+            suffix: list[int] = []
+            bos = _token_text(config.get("bos_token"))
+            eos = _token_text(config.get("eos_token"))
+            if config.get("add_bos_token") and bos is not None:
+                bos_id = tokenizer.token_to_id(bos)
+                if bos_id is not None:
+                    prefix.append(bos_id)
+            if config.get("add_eos_token") and eos is not None:
+                eos_id = tokenizer.token_to_id(eos)
+                if eos_id is not None:
+                    suffix.append(eos_id)
+            return prefix, suffix
+
+        probe = "hello"
+        plain = tokenizer.encode(probe, add_special_tokens=False).ids
+        full = tokenizer.encode(probe, add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
+        # A post-processor that rewrites content ids would be exotic; count it as is.
+        raise TokenizerLoadError(
+            "tokenizer.json", "cannot tell which special tokens its post-processor adds"
+        )
+
+    @property
+    def special_tokens_added(self) -> int:
+        """How many ids ``add_special_tokens=True`` adds to one prompt."""
+        return len(self._prefix) + len(self._suffix)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    # -- encoding -----------------------------------------------------------------------------
+
+    def _ids(self, text: str) -> list[int]:
+        ids: list[int] = self._encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids = self._ids(text)
+        if add_special_tokens and (self._prefix or self._suffix):
+            return [*self._prefix, *ids, *self._suffix]
+        return ids
+
+    def _count(self, text: str, *, add_special_tokens: bool) -> int:
+        n = len(self._ids(text))
+        return n + self.special_tokens_added if add_special_tokens else n
+
+    # -- public counting API ----------------------------------------------------------------
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt string vLLM would build for this chat request."""
+        if self._chat_template is None:
+            raise PromptRenderError("this model has no chat template; use completions")
+        shaped_tools = normalize_tools(tools)
+        template = self._chat_template.select(shaped_tools)
+        conversation = parse_messages(messages, template.content_format)
+        return self._chat_template.render(
+            template,
+            conversation,
+            shaped_tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def count_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> int:
+        """Prompt tokens of a chat request (vLLM: render, then encode without specials).
+
+        ``add_special_tokens`` mirrors the request field of the same name (default False).
+        """
+        prompt = self.render_chat(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self._count(prompt, add_special_tokens=add_special_tokens)
+
+    def count_completion(
+        self,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        *,
+        add_special_tokens: bool = True,
+    ) -> int:
+        """Prompt tokens of a completions request.
+
+        A string is encoded with special tokens (vLLM's default for completions); a list
+        of ints is already tokenized and counts as its length. A list of strings or of
+        id lists is a batch: vLLM runs one generation per prompt, so this returns the
+        SUM over the batch (what the request will occupy in total).
+        """
+        if isinstance(prompt, str):
+            return self._count(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, Sequence) or not prompt:
+            raise PromptRenderError("prompt must be a string, a list of token ids, or a batch")
+        if all(_is_token_id(t) for t in prompt):
+            return len(prompt)
+        total = 0
+        for i, item in enumerate(prompt):
+            if isinstance(item, str):
+                total += self._count(item, add_special_tokens=add_special_tokens)
+            elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+                total += len(item)
+            else:
+                raise PromptRenderError(
+                    f"prompt[{i}] must be a string or a non-empty list of token ids"
+                )
+        return total
+
+    def count_text(self, text: str) -> int:
+        """Tokens in generated text (no special tokens added)."""
+        if not isinstance(text, str):
+            raise PromptRenderError("text must be a string")
+        return self._count(text, add_special_tokens=False)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
