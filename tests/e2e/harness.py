@@ -10,9 +10,10 @@ the error carries the tail of its log.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -121,7 +122,9 @@ def render_envoy_config(
     config = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
     if default_backend is None:
         default_backend = (
-            TEMPLATE_BACKEND_CLUSTER if TEMPLATE_BACKEND_CLUSTER in backends else next(iter(backends))
+            TEMPLATE_BACKEND_CLUSTER
+            if TEMPLATE_BACKEND_CLUSTER in backends
+            else next(iter(backends))
         )
     if default_backend not in backends:
         raise ValueError(f"default_backend {default_backend!r} is not one of {sorted(backends)}")
@@ -165,8 +168,16 @@ def render_envoy_config(
 def validate_envoy_config(path: Path, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """Run `envoy --mode validate -c path`; the caller checks returncode (0 = valid)."""
     return subprocess.run(
-        [_bin("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart",
-         "-l", "warning"],
+        [
+            _bin("envoy"),
+            "--mode",
+            "validate",
+            "-c",
+            str(path),
+            "--disable-hot-restart",
+            "-l",
+            "warning",
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -210,9 +221,7 @@ class ManagedProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self.starts += 1
-        self._log_file.write(
-            f"==== start #{self.starts}: {' '.join(self.argv)}\n".encode()
-        )
+        self._log_file.write(f"==== start #{self.starts}: {' '.join(self.argv)}\n".encode())
         self._log_file.flush()
         try:
             self.proc = subprocess.Popen(
@@ -246,10 +255,8 @@ class ManagedProcess:
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL if it has not exited after `timeout` s. Returns the exit code."""
@@ -290,9 +297,7 @@ class ManagedProcess:
             raise ProcessError(f"{self.name}: never started")
         code = self.proc.poll()
         if code is not None:
-            raise ProcessError(
-                f"{self.name}: exited with code {code}\n{self.describe()}"
-            )
+            raise ProcessError(f"{self.name}: exited with code {code}\n{self.describe()}")
 
     def wait_http(self, url: str, timeout: float = 30.0, *, status: int = 200) -> None:
         """Poll GET `url` until it answers `status`; fail early if the process dies."""
@@ -372,13 +377,33 @@ class ManagedProcess:
 
 @dataclass
 class SimOptions:
-    """Options of the vLLM simulator (one per backend)."""
+    """Options of the vLLM simulator (one per backend); None leaves the simulator's default."""
 
     num_gpu_blocks: int = 3000  # x16 = 48,000 tokens, the default backend budget
     block_size: int = 16
     ttft_ms: float | None = None
     itl_ms: float | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    default_output_tokens: int | None = None
+    force_include_usage: bool = False
     extra_args: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        args = ["--num-gpu-blocks", str(self.num_gpu_blocks), "--block-size", str(self.block_size)]
+        optional = {
+            "--ttft-ms": self.ttft_ms,
+            "--itl-ms": self.itl_ms,
+            "--max-model-len": self.max_model_len,
+            "--max-num-seqs": self.max_num_seqs,
+            "--default-output-tokens": self.default_output_tokens,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                args += [flag, str(value)]
+        if self.force_include_usage:
+            args.append("--force-include-usage")
+        return args + list(self.extra_args)
 
 
 def default_tenants() -> list[dict[str, Any]]:
@@ -408,6 +433,15 @@ def default_backends() -> list[dict[str, Any]]:
     ]
 
 
+def _demo_model_dir() -> Path:
+    """The shared demo tokenizer dir, built on first use (tests/demo_model.py)."""
+    try:
+        from tests.demo_model import demo_model_dir
+    except ImportError:
+        return DEFAULT_MODEL_DIR
+    return demo_model_dir()
+
+
 def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
@@ -418,9 +452,6 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
-_base_ids = itertools.count(1)
-
-
 class Stack:
     """vLLM simulator(s) + kvgate + Envoy on free loopback ports.
 
@@ -428,7 +459,9 @@ class Stack:
     A tenant dict may carry `api_key` (plain text) instead of `api_key_sha256`; the harness
     hashes it and remembers the key in `api_keys`. `kvgate_overrides` is deep-merged into the
     top level of kvgate's config (e.g. `{"server": {"lease_ttl_s": 5}}`). One simulator is
-    started per backend, serving the models that name that backend.
+    started per backend, serving the (first) model that names that backend; `sim` sets the
+    options of all of them (a SimOptions or a dict of its fields), `sim_per_backend` overrides
+    fields for one backend.
     """
 
     def __init__(
@@ -457,7 +490,9 @@ class Stack:
 
         self.api_keys: dict[str, str] = {}
         self.tenants = [self._tenant(t) for t in (tenants or default_tenants())]
-        self.models = [dict(m) for m in (models or default_models())]
+        if models is None:
+            models = default_models(_demo_model_dir())
+        self.models = [dict(m) for m in models]
         self.backends = [dict(b) for b in (backends or default_backends())]
         self.kvgate_overrides = dict(kvgate_overrides or {})
 
@@ -469,8 +504,8 @@ class Stack:
                 self.sim_options[backend["name"]] = copy.deepcopy(base_sim)
             elif isinstance(override, SimOptions):
                 self.sim_options[backend["name"]] = override
-            else:
-                self.sim_options[backend["name"]] = SimOptions(**dict(override))
+            else:  # a dict overrides fields of `sim` for this backend only
+                self.sim_options[backend["name"]] = dataclasses.replace(base_sim, **override)
 
         # ports
         self.listen_port = free_port()
@@ -563,34 +598,45 @@ class Stack:
     def _sim_argv(self, backend: str) -> list[str]:
         opts = self.sim_options[backend]
         served = [m for m in self.models if m["backend"] == backend] or self.models[:1]
-        argv = [
+        return [
             _bin("vllm-sim"),
-            "--model-dir", str(served[0]["tokenizer"]),
-            "--served-model-name", str(served[0]["name"]),
-            "--port", str(self.sim_ports[backend]),
-            "--num-gpu-blocks", str(opts.num_gpu_blocks),
-            "--block-size", str(opts.block_size),
+            "--model-dir",
+            str(served[0]["tokenizer"]),
+            "--served-model-name",
+            str(served[0]["name"]),
+            "--port",
+            str(self.sim_ports[backend]),
+            *opts.argv(),
         ]
-        if opts.ttft_ms is not None:
-            argv += ["--ttft-ms", str(opts.ttft_ms)]
-        if opts.itl_ms is not None:
-            argv += ["--itl-ms", str(opts.itl_ms)]
-        return argv + list(opts.extra_args)
 
     def _kvgate_argv(self) -> list[str]:
-        return [sys.executable, "-m", "kvgate.cli", "serve", "--config",
-                str(self.kvgate_config_path)]
+        return [
+            sys.executable,
+            "-m",
+            "kvgate.cli",
+            "serve",
+            "--config",
+            str(self.kvgate_config_path),
+        ]
 
     def _envoy_argv(self) -> list[str]:
         return [
             _bin("envoy"),
-            "-c", str(self.envoy_config_path),
+            "-c",
+            str(self.envoy_config_path),
             # Each test Envoy is independent: no shared memory, no base-id clashes.
             "--disable-hot-restart",
-            "--concurrency", "1",
-            "-l", self.envoy_log_level,
-            "--drain-time-s", "1",
-            "--parent-shutdown-time-s", "2",
+            "--concurrency",
+            "1",
+            "-l",
+            self.envoy_log_level,
+            "--drain-time-s",
+            "1",
+            "--parent-shutdown-time-s",
+            "2",
+            # Access log lines reach the log file within 0.1 s (default: 10 s).
+            "--file-flush-interval-msec",
+            "100",
         ]
 
     def processes(self) -> list[ManagedProcess]:
@@ -612,9 +658,7 @@ class Stack:
             self.kvgate = ManagedProcess(
                 "kvgate", self._kvgate_argv(), log_dir=self.log_dir
             ).start()
-            self.envoy = ManagedProcess(
-                "envoy", self._envoy_argv(), log_dir=self.log_dir
-            ).start()
+            self.envoy = ManagedProcess("envoy", self._envoy_argv(), log_dir=self.log_dir).start()
             for name, sim in self.sims.items():
                 sim.wait_http(f"{self.sim_urls[name]}/health", self.start_timeout)
             self.wait_kvgate_ready()
@@ -622,13 +666,16 @@ class Stack:
             self.wait_extproc_healthy()
         except BaseException:
             sys.stderr.write(self.dump_logs())
+            self.keep_work_dir = True  # the logs stay for a post-mortem
             self.stop()
             raise
         return self
 
     def wait_kvgate_ready(self, timeout: float | None = None) -> None:
+        """kvgate's /healthz (alive) then /readyz (tokenizers loaded, admitting)."""
         assert self.kvgate is not None
         self.kvgate.wait_http(f"{self.kvgate_http_url}/healthz", timeout or self.start_timeout)
+        self.kvgate.wait_http(f"{self.kvgate_http_url}/readyz", timeout or self.start_timeout)
 
     def wait_extproc_healthy(self, timeout: float = 15.0) -> None:
         """Wait until Envoy's gRPC health check marks kvgate's endpoint healthy."""
@@ -655,7 +702,7 @@ class Stack:
         prefix = f"{EXTPROC_CLUSTER}::127.0.0.1:{self.grpc_port}::health_flags::"
         for line in text.splitlines():
             if line.startswith(prefix):
-                return line[len(prefix):]
+                return line[len(prefix) :]
         return "unknown"
 
     def kill_kvgate(self) -> None:
@@ -715,6 +762,27 @@ class Stack:
                 except json.JSONDecodeError:
                     continue
         return entries
+
+    def wait_access_log(
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float = 5.0,
+    ) -> dict[str, Any]:
+        """The first access-log entry matching `predicate`, waiting for Envoy to flush it.
+
+        e.g. `stack.wait_access_log(lambda e: e["request_id"] == rid)`.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            for entry in self.access_log():
+                if predicate(entry):
+                    return entry
+            if time.monotonic() > deadline:
+                tail = "\n".join(json.dumps(e) for e in self.access_log()[-10:])
+                raise AssertionError(
+                    f"no matching access-log entry after {timeout:.1f}s; last entries:\n{tail}"
+                )
+            time.sleep(0.05)
 
     def envoy_stats(self, prefix: str = "") -> dict[str, int]:
         """Envoy counters and gauges whose names start with `prefix`."""

@@ -1,0 +1,111 @@
+"""Every Envoy bootstrap in the repo, and the harness's rendering of it, passes
+`envoy --mode validate` with the real binary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.e2e.harness import (
+    ENVOY_CONFIG,
+    EXTPROC_CLUSTER,
+    REPO_ROOT,
+    free_port,
+    render_envoy_config,
+    validate_envoy_config,
+)
+
+CONFIG_DIRS = [REPO_ROOT / "envoy", REPO_ROOT / "deploy"]
+
+
+def _yaml_documents(path: Path) -> list[Any]:
+    try:
+        return list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
+    except yaml.YAMLError:
+        return []
+
+
+def _is_envoy_bootstrap(path: Path) -> bool:
+    docs = _yaml_documents(path)
+    return (
+        len(docs) == 1
+        and isinstance(docs[0], dict)
+        and ("static_resources" in docs[0] or "admin" in docs[0])
+    )
+
+
+def envoy_bootstraps() -> list[Path]:
+    found: list[Path] = []
+    for base in CONFIG_DIRS:
+        if base.is_dir():
+            found += [
+                p
+                for p in sorted(base.rglob("*.y*ml"))
+                if p.suffix in (".yaml", ".yml") and _is_envoy_bootstrap(p)
+            ]
+    return found
+
+
+def _assert_valid(path: Path) -> None:
+    result = validate_envoy_config(path)
+    assert result.returncode == 0, (
+        f"envoy --mode validate -c {path} exited {result.returncode}\n"
+        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    )
+
+
+def test_envoy_yaml_is_found() -> None:
+    assert ENVOY_CONFIG in envoy_bootstraps()
+
+
+@pytest.mark.parametrize("config", envoy_bootstraps(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_bootstrap_validates(config: Path) -> None:
+    _assert_valid(config)
+
+
+def test_rendered_config_validates(tmp_path: Path) -> None:
+    ports = {"vllm-local": free_port(), "other-backend": free_port()}
+    listen, admin, extproc = free_port(), free_port(), free_port()
+    dst = render_envoy_config(
+        ENVOY_CONFIG,
+        tmp_path / "envoy.yaml",
+        listen_port=listen,
+        admin_port=admin,
+        extproc_port=extproc,
+        backends=ports,
+    )
+    _assert_valid(dst)
+
+    rendered = yaml.safe_load(dst.read_text(encoding="utf-8"))
+    resources = rendered["static_resources"]
+    assert rendered["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": admin,
+    }
+    assert resources["listeners"][0]["address"]["socket_address"]["port_value"] == listen
+    endpoints = {
+        c["name"]: c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+            "socket_address"
+        ]["port_value"]
+        for c in resources["clusters"]
+    }
+    assert endpoints == {EXTPROC_CLUSTER: extproc, **ports}
+
+
+def test_rendered_config_without_the_template_backend(tmp_path: Path) -> None:
+    """Backends not named vllm-local: the default route follows the first of them."""
+    port = free_port()
+    dst = render_envoy_config(
+        ENVOY_CONFIG,
+        tmp_path / "envoy.yaml",
+        listen_port=free_port(),
+        admin_port=free_port(),
+        extproc_port=free_port(),
+        backends={"gpu-a": port},
+    )
+    _assert_valid(dst)
+    text = dst.read_text(encoding="utf-8")
+    assert "vllm-local" not in text
