@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.extproc import ExternalProcessor, GatewayServices
+from kvgate.extproc.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.http import create_http_app
 from kvgate.policy import MonotonicClock, Reservation
@@ -71,6 +73,16 @@ class KvgateServer:
             extra={"reservation_id": reservation.reservation_id},
         )
 
+    async def _all_tenants_usage(self) -> dict[str, Any]:
+        snapshot = self.snapshots.current
+        return {
+            "object": "kvgate.usage.all",
+            "tenants": [
+                await tenant_usage_report(self.services, snapshot, name)
+                for name in sorted(snapshot.tenants)
+            ],
+        }
+
     async def _set_serving(self, serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING
@@ -111,7 +123,8 @@ class KvgateServer:
 
         host, _, port = server_cfg.http_listen.rpartition(":")
         self._http = web.AppRunner(
-            create_http_app(self.metrics, lambda: self._ready), access_log=None
+            create_http_app(self.metrics, lambda: self._ready, self._all_tenants_usage),
+            access_log=None,
         )
         await self._http.setup()
         site = web.TCPSite(self._http, host.strip("[]"), int(port))

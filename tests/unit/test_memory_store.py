@@ -10,9 +10,11 @@ from kvgate.policy import (
     Reason,
     Reservation,
     SettleCause,
+    TenantPolicy,
 )
 from kvgate.store import MemoryStore
 
+TENANT = TenantPolicy(name="t")
 LIMITS = BackendLimits(
     name="b", kv_budget_tokens=1_000, kv_block_size=10, max_concurrent_requests=8
 )
@@ -31,12 +33,16 @@ def req(prompt: int, max_new: int, tenant: str = "t") -> AdmissionRequest:
 
 async def test_settle_releases_and_records_exactly_once() -> None:
     store = MemoryStore(lease_ttl_s=60, clock=ManualClock())
-    decision = await store.reserve(req(95, 100), LIMITS)
+    decision = await store.reserve(req(95, 100), LIMITS, TENANT)
     assert decision.admitted and decision.reservation is not None
     assert decision.reservation.kv_tokens == 200
     usage = ActualUsage(prompt_tokens=95, output_tokens=7)
-    first = await store.settle(decision.reservation, SettleCause.COMPLETED, usage)
-    second = await store.settle(decision.reservation, SettleCause.DISCONNECTED, usage)
+    first = await store.settle(
+        decision.reservation, SettleCause.COMPLETED, usage, cost_pico=0, tenant=TENANT
+    )
+    second = await store.settle(
+        decision.reservation, SettleCause.DISCONNECTED, usage, cost_pico=0, tenant=TENANT
+    )
     assert first.applied and not second.applied
     totals = await store.usage_totals()
     assert totals[("t", "m")].requests == 1
@@ -50,34 +56,38 @@ async def test_full_backend_rejects_until_capacity_returns() -> None:
     store = MemoryStore(lease_ttl_s=60, clock=ManualClock())
     held: list[Reservation] = []
     for _ in range(5):
-        decision = await store.reserve(req(100, 100), LIMITS)
+        decision = await store.reserve(req(100, 100), LIMITS, TENANT)
         assert decision.admitted and decision.reservation
         held.append(decision.reservation)
-    rejected = await store.reserve(req(100, 100), LIMITS)
+    rejected = await store.reserve(req(100, 100), LIMITS, TENANT)
     assert rejected.reason is Reason.KV_BUDGET_EXHAUSTED
-    await store.settle(held[0], SettleCause.COMPLETED, ActualUsage(100, 100))
-    assert (await store.reserve(req(100, 100), LIMITS)).admitted
+    await store.settle(
+        held[0], SettleCause.COMPLETED, ActualUsage(100, 100), cost_pico=0, tenant=TENANT
+    )
+    assert (await store.reserve(req(100, 100), LIMITS, TENANT)).admitted
 
 
 async def test_expired_leases_free_capacity_and_are_reported() -> None:
     clock = ManualClock()
     expired: list[Reservation] = []
     store = MemoryStore(lease_ttl_s=30, clock=clock, on_lease_expired=expired.append)
-    lost = await store.reserve(req(500, 500), LIMITS)
+    lost = await store.reserve(req(500, 500), LIMITS, TENANT)
     assert lost.admitted and lost.reservation
-    assert not (await store.reserve(req(10, 10), LIMITS)).admitted
+    assert not (await store.reserve(req(10, 10), LIMITS, TENANT)).admitted
     clock.advance(31)
-    assert (await store.reserve(req(10, 10), LIMITS)).admitted
+    assert (await store.reserve(req(10, 10), LIMITS, TENANT)).admitted
     assert [r.reservation_id for r in expired] == [lost.reservation.reservation_id]
     # A late settlement of an expired lease charges nothing and frees nothing twice.
-    late = await store.settle(lost.reservation, SettleCause.COMPLETED, ActualUsage(500, 1))
+    late = await store.settle(
+        lost.reservation, SettleCause.COMPLETED, ActualUsage(500, 1), cost_pico=0, tenant=TENANT
+    )
     assert not late.applied
 
 
 async def test_renewed_lease_survives() -> None:
     clock = ManualClock()
     store = MemoryStore(lease_ttl_s=30, clock=clock)
-    decision = await store.reserve(req(10, 10), LIMITS)
+    decision = await store.reserve(req(10, 10), LIMITS, TENANT)
     assert decision.reservation
     for _ in range(5):
         clock.advance(20)

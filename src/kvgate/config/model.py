@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,8 +51,79 @@ class ServerConfig(_Strict):
         return value
 
 
+class RequestRateConfig(_Strict):
+    """Requests per minute: a bucket of `limit` requests refilled at limit/60 per second."""
+
+    limit: int = Field(gt=0)
+    shadow: bool = False
+
+
+class TokenRateConfig(_Strict):
+    """Tokens per minute as a token bucket over input + output tokens."""
+
+    capacity: int = Field(gt=0, description="burst: the most tokens one minute can take at once")
+    refill_per_s: float | None = Field(
+        default=None, gt=0, description="default: capacity / 60 (a per-minute rate)"
+    )
+    shadow: bool = False
+
+    @property
+    def refill(self) -> float:
+        return self.refill_per_s if self.refill_per_s is not None else self.capacity / 60
+
+
+class ConcurrencyConfig(_Strict):
+    limit: int = Field(gt=0)
+    shadow: bool = False
+
+
+def _shorthand(value: Any, key: str) -> Any:
+    """`rpm: 600` means `rpm: {limit: 600}` (and `tpm: 60000` means `{capacity: 60000}`)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {key: value}
+    return value
+
+
+class LimitsConfig(_Strict):
+    rpm: RequestRateConfig | None = None
+    tpm: TokenRateConfig | None = None
+    concurrency: ConcurrencyConfig | None = None
+
+    @field_validator("rpm", "concurrency", mode="before")
+    @classmethod
+    def _limit_shorthand(cls, value: Any) -> Any:
+        return _shorthand(value, "limit")
+
+    @field_validator("tpm", mode="before")
+    @classmethod
+    def _capacity_shorthand(cls, value: Any) -> Any:
+        return _shorthand(value, "capacity")
+
+
+class BudgetConfig(_Strict):
+    daily_usd: Decimal | None = Field(default=None, ge=0)
+    monthly_usd: Decimal | None = Field(default=None, ge=0)
+    # What happens to a request whose worst-case cost does not fit the remaining budget.
+    action: Literal["block", "fallback", "clamp"] = "block"
+    fallback_model: str | None = None
+    shadow: bool = False
+
+    @model_validator(mode="after")
+    def _fallback_named(self) -> BudgetConfig:
+        if self.action == "fallback" and not self.fallback_model:
+            raise ValueError("action 'fallback' needs fallback_model")
+        for amount in (self.daily_usd, self.monthly_usd):
+            if amount is not None and amount.as_tuple().exponent < -12:  # type: ignore[operator]
+                raise ValueError("budgets have at most 12 decimal places (pico-dollars)")
+        return self
+
+
 class TenantConfig(_Strict):
     name: str
+    limits: LimitsConfig = LimitsConfig()
+    # Optional tighter limits for this tenant on one model.
+    model_limits: dict[str, LimitsConfig] = Field(default_factory=dict)
+    budget: BudgetConfig | None = None
     api_key_sha256: list[str] | str = Field(
         description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`."
     )
@@ -83,6 +155,25 @@ class TenantConfig(_Strict):
         return [value] if isinstance(value, str) else list(value)
 
 
+class PricingConfig(_Strict):
+    """US dollars per million tokens, as decimal strings ("0.15")."""
+
+    input_per_million: Decimal = Field(default=Decimal(0), ge=0)
+    cached_input_per_million: Decimal | None = Field(default=None, ge=0)
+    output_per_million: Decimal = Field(default=Decimal(0), ge=0)
+
+    @model_validator(mode="after")
+    def _precision(self) -> PricingConfig:
+        for price in (
+            self.input_per_million,
+            self.cached_input_per_million,
+            self.output_per_million,
+        ):
+            if price is not None and price.as_tuple().exponent < -6:  # type: ignore[operator]
+                raise ValueError("prices have at most 6 decimal places")
+        return self
+
+
 class ModelConfig(_Strict):
     name: str
     tokenizer: str = Field(
@@ -92,6 +183,7 @@ class ModelConfig(_Strict):
     max_context: int = Field(gt=0)
     default_max_new_tokens: int = Field(gt=0)
     backend: str
+    pricing: PricingConfig = PricingConfig()
 
     @field_validator("name")
     @classmethod
@@ -142,6 +234,19 @@ class KvgateConfig(_Strict):
                     raise ValueError(
                         f"tenants: tenants '{other}' and '{tenant.name}' share an API key"
                     )
+        models = {m.name for m in self.models}
+        for i, tenant in enumerate(self.tenants):
+            for name in tenant.model_limits:
+                if name not in models:
+                    raise ValueError(
+                        f"tenants.{i}.model_limits: '{name}' is not a configured model"
+                    )
+            budget = tenant.budget
+            if budget and budget.fallback_model and budget.fallback_model not in models:
+                raise ValueError(
+                    f"tenants.{i}.budget.fallback_model: '{budget.fallback_model}' is not a "
+                    "configured model"
+                )
         backends = {b.name for b in self.backends}
         for i, model in enumerate(self.models):
             if model.backend not in backends:

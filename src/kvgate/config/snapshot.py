@@ -10,8 +10,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from kvgate.config.model import KvgateConfig, ModelConfig
-from kvgate.policy import BackendLimits
+from kvgate.config.model import KvgateConfig, LimitsConfig, ModelConfig, TenantConfig
+from kvgate.policy import (
+    BackendLimits,
+    BucketSpec,
+    BudgetAction,
+    BudgetRule,
+    ConcurrencyRule,
+    Period,
+    Pricing,
+    RateRule,
+    ScopeLimits,
+    TenantPolicy,
+    usd_to_pico,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,23 +32,68 @@ class ModelRoute:
     backend: str
     max_context: int
     default_max_new_tokens: int
+    pricing: Pricing
 
 
 @dataclass(frozen=True, slots=True)
 class RuntimeSnapshot:
     tenants_by_key_hash: Mapping[str, str]
-    tenants: frozenset[str]
+    tenants: Mapping[str, TenantPolicy]
     models: Mapping[str, ModelRoute]
     backends: Mapping[str, BackendLimits]
     config: KvgateConfig
 
 
 def _route(model: ModelConfig) -> ModelRoute:
+    prices = model.pricing
+    cached = prices.cached_input_per_million
     return ModelRoute(
         name=model.name,
         backend=model.backend,
         max_context=model.max_context,
         default_max_new_tokens=model.default_max_new_tokens,
+        pricing=Pricing.per_million(
+            prices.input_per_million,
+            prices.input_per_million if cached is None else cached,
+            prices.output_per_million,
+        ),
+    )
+
+
+def _scope(limits: LimitsConfig) -> ScopeLimits:
+    return ScopeLimits(
+        rpm=RateRule(BucketSpec(limits.rpm.limit, limits.rpm.limit / 60), limits.rpm.shadow)
+        if limits.rpm
+        else None,
+        tpm=RateRule(BucketSpec(limits.tpm.capacity, limits.tpm.refill), limits.tpm.shadow)
+        if limits.tpm
+        else None,
+        concurrency=ConcurrencyRule(limits.concurrency.limit, limits.concurrency.shadow)
+        if limits.concurrency
+        else None,
+    )
+
+
+def _tenant_policy(tenant: TenantConfig) -> TenantPolicy:
+    budgets: list[BudgetRule] = []
+    action = BudgetAction.BLOCK
+    fallback = None
+    if tenant.budget is not None:
+        budget = tenant.budget
+        for period, amount in ((Period.DAY, budget.daily_usd), (Period.MONTH, budget.monthly_usd)):
+            if amount is not None:
+                budgets.append(BudgetRule(period, usd_to_pico(amount), budget.shadow))
+        action = BudgetAction(budget.action)
+        fallback = budget.fallback_model
+    return TenantPolicy(
+        name=tenant.name,
+        limits=_scope(tenant.limits),
+        model_limits=MappingProxyType(
+            {model: _scope(limits) for model, limits in tenant.model_limits.items()}
+        ),
+        budgets=tuple(budgets),
+        budget_action=action,
+        fallback_model=fallback,
     )
 
 
@@ -44,7 +101,7 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
     by_hash = {digest: t.name for t in config.tenants for digest in t.key_hashes}
     return RuntimeSnapshot(
         tenants_by_key_hash=MappingProxyType(by_hash),
-        tenants=frozenset(t.name for t in config.tenants),
+        tenants=MappingProxyType({t.name: _tenant_policy(t) for t in config.tenants}),
         models=MappingProxyType({m.name: _route(m) for m in config.models}),
         backends=MappingProxyType(
             {

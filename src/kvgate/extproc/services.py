@@ -9,7 +9,17 @@ from typing import Any, Protocol
 
 from kvgate.config import SnapshotHolder
 from kvgate.metrics import Metrics
-from kvgate.policy import ActualUsage, Clock, Reservation, SettleCause
+from kvgate.policy import (
+    ActualUsage,
+    Clock,
+    Decision,
+    Pricing,
+    Reservation,
+    SettleCause,
+    TenantPolicy,
+    pico_to_usd,
+)
+from kvgate.policy.pricing import PICO_PER_USD
 from kvgate.store import StateStore
 
 log = logging.getLogger("kvgate.settle")
@@ -30,6 +40,22 @@ class PromptTokenizers(Protocol):
     async def count_completion(self, model: str, prompt: Any) -> int: ...
 
     async def count_text(self, model: str, text: str) -> int: ...
+
+
+def charged_usage(cause: SettleCause, usage: ActualUsage, *, streamed: bool) -> ActualUsage:
+    """What a tenant pays for, by how the request ended.
+
+    - completed: the backend's usage;
+    - upstream error: nothing (the engine produced no answer);
+    - cut short (client gone, Envoy timeout, shutdown): the prompt and the output tokens
+      that were streamed, if any answer text reached the client; nothing otherwise. So a
+      client that times out before its first token and retries is charged once.
+    """
+    if cause is SettleCause.COMPLETED:
+        return usage
+    if cause in (SettleCause.DISCONNECTED, SettleCause.SHUTDOWN) and streamed:
+        return usage
+    return ActualUsage(prompt_tokens=0, output_tokens=0)
 
 
 class GatewayServices:
@@ -69,15 +95,30 @@ class GatewayServices:
         usage: ActualUsage,
         *,
         request_id: str = "",
+        streamed: bool = False,
+        pricing: Pricing | None = None,
     ) -> asyncio.Task[None]:
-        return self.track(self._settle(reservation, cause, usage, request_id))
+        charged = charged_usage(cause, usage, streamed=streamed)
+        cost = (pricing or Pricing()).cost(
+            charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
+        )
+        return self.track(self._settle(reservation, cause, charged, cost, request_id))
 
     async def _settle(
-        self, reservation: Reservation, cause: SettleCause, usage: ActualUsage, request_id: str
+        self,
+        reservation: Reservation,
+        cause: SettleCause,
+        usage: ActualUsage,
+        cost_pico: int,
+        request_id: str,
     ) -> None:
         request = reservation.request
+        snapshot = self.snapshots.current
+        tenant = snapshot.tenants.get(request.tenant) or TenantPolicy(name=request.tenant)
         try:
-            settlement = await self.store.settle(reservation, cause, usage)
+            settlement = await self.store.settle(
+                reservation, cause, usage, cost_pico=cost_pico, tenant=tenant
+            )
         except Exception:
             # The lease still expires on its own; say loudly that this one was not recorded.
             log.exception("settlement failed", extra={"request_id": request_id})
@@ -90,6 +131,8 @@ class GatewayServices:
         m.output_tokens.labels(request.tenant, request.model).inc(usage.output_tokens)
         if usage.cached_tokens:
             m.cached_tokens.labels(request.tenant, request.model).inc(usage.cached_tokens)
+        if cost_pico:
+            m.cost_usd.labels(request.tenant, request.model).inc(cost_pico / PICO_PER_USD)
         used = usage.prompt_tokens + usage.output_tokens
         m.reserved_unused_tokens.labels(request.backend).inc(max(0, reservation.kv_tokens - used))
         self.refresh_backend_gauges(request.backend)
@@ -103,8 +146,20 @@ class GatewayServices:
                 "prompt_tokens": usage.prompt_tokens,
                 "output_tokens": usage.output_tokens,
                 "reserved_tokens": reservation.kv_tokens,
+                "cost_usd": str(pico_to_usd(cost_pico)),
             },
         )
+
+    def record_violations(self, tenant: str, decision: Decision) -> None:
+        for violation in decision.violations:
+            if violation.shadow:
+                self.metrics.shadow_rejections.labels(tenant, violation.limit).inc()
+        view = decision.rate_limits
+        if view is not None:
+            if view.remaining_tokens is not None:
+                self.metrics.tenant_remaining_tokens.labels(tenant).set(view.remaining_tokens)
+            if view.remaining_requests is not None:
+                self.metrics.tenant_remaining_requests.labels(tenant).set(view.remaining_requests)
 
     def refresh_backend_gauges(self, backend: str) -> None:
         self.track(self._refresh_backend_gauges(backend))

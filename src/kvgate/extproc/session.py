@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import time
 from typing import Any
@@ -16,27 +17,28 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvgate.config import hash_api_key
+from kvgate.config.snapshot import ModelRoute
 from kvgate.extproc import messages
+from kvgate.extproc.admission import AdmissionPlanner, AdmissionRejected
 from kvgate.extproc.services import GatewayServices
+from kvgate.extproc.usage_report import USAGE_PATH, tenant_usage_report
 from kvgate.openai import (
     ApiError,
     ParsedRequest,
     SseStreamFilter,
     parse_request,
+    rewrite_body,
     usage_from_json_body,
-    with_forced_usage,
 )
 from kvgate.openai import errors as api_errors
 from kvgate.policy import (
     ActualUsage,
-    AdmissionRequest,
-    Decision,
+    Pricing,
     Reason,
     Reservation,
     SettleCause,
-    plan_new_tokens,
+    TenantPolicy,
 )
-from kvgate.tokenize import PromptRenderError
 
 log = logging.getLogger("kvgate.session")
 
@@ -76,6 +78,9 @@ class StreamSession:
         self.phase = Phase.REQUEST_HEADERS
         self.request_id = ""
         self.tenant: str | None = None
+        self._tenant_policy: TenantPolicy | None = None
+        self._route: ModelRoute | None = None
+        self._client_headers: dict[str, str] = {}
         self._path = ""
         self._body = bytearray()
         self._request: ParsedRequest | None = None
@@ -96,7 +101,7 @@ class StreamSession:
         kind = message.WhichOneof("request")
         try:
             if kind == "request_headers":
-                return self._on_request_headers(message.request_headers)
+                return await self._on_request_headers(message.request_headers)
             if kind == "request_body":
                 return await self._on_request_body(message.request_body)
             if kind == "response_headers":
@@ -139,7 +144,7 @@ class StreamSession:
 
     # ------------------------------------------------------------------ request path
 
-    def _on_request_headers(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
+    async def _on_request_headers(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
         headers = messages.header_map_to_dict(http.headers)
         self.request_id = headers.get("x-request-id", "")
         self._path = _path_only(headers.get(":path", ""))
@@ -154,6 +159,20 @@ class StreamSession:
         if tenant is None:
             return self._reject(api_errors.invalid_api_key(), Reason.INVALID_API_KEY)
         self.tenant = tenant
+        self._tenant_policy = self._snapshot.tenants[tenant]
+
+        if self._path == USAGE_PATH:
+            if method not in ("GET", "HEAD"):
+                return self._reject(
+                    api_errors.method_not_allowed(method, self._path, ("GET", "HEAD")),
+                    Reason.INVALID_REQUEST,
+                )
+            self.phase = Phase.PASSTHROUGH
+            self._svc.metrics.requests.labels("answered", Reason.USAGE_REPORT.value).inc()
+            report = await tenant_usage_report(self._svc, self._snapshot, tenant)
+            return messages.immediate_response(
+                200, json.dumps(report, separators=(",", ":")).encode(), details="kvgate_usage"
+            )
 
         if self._path in PASSTHROUGH_PATHS or self._path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
@@ -191,6 +210,8 @@ class StreamSession:
             reply = await self._admit(bytes(self._body))
         except ApiError as error:
             reply = self._reject(error, _reason_for(error))
+        except AdmissionRejected as rejected:
+            reply = self._reject(rejected.error, rejected.reason)
         outcome = "admitted" if self.reservation is not None else "rejected"
         self._svc.metrics.decision_seconds.labels(outcome).observe(time.perf_counter() - started)
         return reply
@@ -198,68 +219,33 @@ class StreamSession:
     async def _admit(self, body: bytes) -> pb.ProcessingResponse:
         request = parse_request(self._path, body)
         self._request = request
-        route = self._snapshot.models.get(request.model)
-        if route is None:
-            raise api_errors.model_not_found(request.model)
-        limits = self._snapshot.backends[route.backend]
-
-        try:
-            if request.kind == "chat":
-                prompt_tokens = await self._svc.tokenizers.count_chat(
-                    request.model,
-                    request.messages,
-                    request.tools,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message,
-                    chat_template_kwargs=request.chat_template_kwargs,
-                )
-            else:
-                prompt_tokens = await self._svc.tokenizers.count_completion(
-                    request.model, request.prompt
-                )
-        except PromptRenderError as exc:
-            raise api_errors.invalid_request(
-                exc.client_message, param="messages" if request.kind == "chat" else "prompt"
-            ) from None
-        self._prompt_tokens = prompt_tokens
-
-        plan = plan_new_tokens(
-            prompt_tokens, request.max_new_tokens, route.default_max_new_tokens, route.max_context
+        assert self._tenant_policy is not None
+        admitted = await AdmissionPlanner(self._svc, self._snapshot).admit(
+            request, self._tenant_policy, self.request_id
         )
-        if not plan.ok:
-            raise api_errors.context_length_exceeded(
-                prompt_tokens,
-                plan.max_new_tokens,
-                route.max_context,
-                param="messages" if request.kind == "chat" else "prompt",
-            )
-        self._max_new_tokens = plan.max_new_tokens
-
-        admission = AdmissionRequest(
-            request_id=self.request_id,
-            tenant=self.tenant or "",
-            model=request.model,
-            backend=route.backend,
-            prompt_tokens=prompt_tokens,
-            max_new_tokens=plan.max_new_tokens,
-            choices=request.num_sequences,
-        )
-        decision = await self._svc.store.reserve(admission, limits)
-        if not decision.admitted:
-            return self._reject(_decision_error(decision), decision.reason)
-        self.reservation = decision.reservation
+        self.reservation = admitted.reservation
+        self._route = admitted.route
+        self._prompt_tokens = admitted.prompt_tokens
+        self._max_new_tokens = admitted.max_new_tokens
+        self._client_headers = admitted.client_headers
         self.phase = Phase.FORWARDED
         self._last_renewal = self._svc.clock.now()
         self._svc.metrics.requests.labels("admitted", Reason.ADMITTED.value).inc()
-        self._svc.refresh_backend_gauges(route.backend)
+        self._svc.refresh_backend_gauges(admitted.route.backend)
 
+        # Exact output counts need the usage event; when the client did not ask for it, the
+        # response filter strips it again before the client sees it.
+        force_usage = request.stream and not request.include_usage_requested
         new_body: bytes | None = None
-        if request.stream and not request.include_usage_requested:
-            # Exact output counts need the usage event; the client did not ask for it, so the
-            # response filter strips it again before the client sees it.
-            new_body = with_forced_usage(request.body)
+        if force_usage or admitted.new_model or admitted.new_max_tokens:
+            new_body = rewrite_body(
+                request.body,
+                model=admitted.new_model,
+                max_tokens=admitted.new_max_tokens,
+                force_usage=force_usage,
+            )
         return messages.continue_request_body(
-            {"x-kvgate-model": request.model, "x-kvgate-backend": route.backend},
+            {"x-kvgate-model": admitted.route.name, "x-kvgate-backend": admitted.route.backend},
             new_body=new_body,
             dynamic_metadata=self._metadata("admitted"),
         )
@@ -304,7 +290,7 @@ class StreamSession:
             # A body-less response (e.g. an upstream error with no body): settle now.
             usage = self._usage_at_end() or await self._counted_usage()
             await self._settle(self._end_cause(), usage)
-        return messages.continue_response_headers()
+        return messages.continue_response_headers(self._client_headers)
 
     async def _on_response_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
         replacement: bytes | None = None
@@ -336,6 +322,10 @@ class StreamSession:
         meta = self._metadata("admitted")
         meta["output_tokens"] = usage.output_tokens
         return messages.continue_response_body(replacement, dynamic_metadata=meta)
+
+    def _streamed(self) -> bool:
+        """Whether any answer text reached the client (decides what a cut request costs)."""
+        return self._sse is not None and bool(self._sse.output_text())
 
     def _ok(self) -> bool:
         return 200 <= self._response_status < 300
@@ -410,7 +400,14 @@ class StreamSession:
             return None
         self._settling = True  # set before any await: exactly once
         self.phase = Phase.SETTLED
-        return self._svc.settle(self.reservation, cause, usage, request_id=self.request_id)
+        return self._svc.settle(
+            self.reservation,
+            cause,
+            usage,
+            request_id=self.request_id,
+            streamed=self._streamed(),
+            pricing=self._route.pricing if self._route else Pricing(),
+        )
 
     def close(self, *, shutting_down: bool) -> None:
         """The gRPC stream ended. If the request was admitted and not settled, the client
@@ -426,7 +423,14 @@ class StreamSession:
         async def settle_after_disconnect() -> None:
             reported = self._usage_at_end() if self._sse is not None else None
             usage = reported if reported is not None else await self._counted_usage()
-            await self._svc.settle(reservation, cause, usage, request_id=self.request_id)
+            await self._svc.settle(
+                reservation,
+                cause,
+                usage,
+                request_id=self.request_id,
+                streamed=self._streamed(),
+                pricing=self._route.pricing if self._route else Pricing(),
+            )
 
         self._svc.track(settle_after_disconnect())
 
@@ -452,13 +456,3 @@ def _reason_for(error: ApiError) -> Reason:
     if error.code == "context_length_exceeded":
         return Reason.CONTEXT_LENGTH_EXCEEDED
     return Reason.INVALID_REQUEST
-
-
-def _decision_error(decision: Decision) -> ApiError:
-    if decision.reason is Reason.REQUEST_EXCEEDS_KV_BUDGET:
-        return api_errors.invalid_request(
-            decision.detail, param="max_tokens", code=Reason.REQUEST_EXCEEDS_KV_BUDGET.value
-        )
-    return api_errors.rate_limited(
-        decision.detail, decision.reason.value, decision.retry_after_s, {}
-    )

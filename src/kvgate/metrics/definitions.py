@@ -100,6 +100,30 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.cost_usd = Counter(
+            "kvgate_cost_usd",
+            "Cost of settled requests in US dollars (exact integer pico-dollars in the ledger).",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.shadow_rejections = Counter(
+            "kvgate_shadow_rejections",
+            "Requests a shadowed limit would have rejected (admitted anyway).",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.tenant_remaining_tokens = Gauge(
+            "kvgate_tenant_remaining_tokens",
+            "Tokens left in the tenant's TPM bucket at its last decision.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_remaining_requests = Gauge(
+            "kvgate_tenant_remaining_requests",
+            "Requests left in the tenant's RPM bucket at its last decision.",
+            ["tenant"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             "kvgate_internal_errors",
             "Unexpected errors while handling a stream (each answered, none crashed kvgate).",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -10,7 +11,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvgate.metrics.definitions import Metrics
 
 
-def create_http_app(metrics: Metrics, is_ready: Callable[[], bool]) -> web.Application:
+def create_http_app(
+    metrics: Metrics,
+    is_ready: Callable[[], bool],
+    usage_report: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+) -> web.Application:
     async def metrics_handler(_: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -24,7 +29,14 @@ def create_http_app(metrics: Metrics, is_ready: Callable[[], bool]) -> web.Appli
             {"status": "ready" if ready else "not_ready"}, status=200 if ready else 503
         )
 
+    async def usage(_: web.Request) -> web.Response:
+        if usage_report is None:
+            raise web.HTTPNotFound()
+        return web.json_response(await usage_report())
+
     app = web.Application()
+    # The operator's view of every tenant. Bind the HTTP port to a private address.
+    app.router.add_get("/admin/usage", usage)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

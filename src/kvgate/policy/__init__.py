@@ -1,8 +1,24 @@
 """Pure admission policy: no asyncio, no gRPC, no storage. Time comes from an injected Clock."""
 
+from kvgate.policy.admission import admit, settle_tenant
+from kvgate.policy.buckets import BucketSpec, TokenBucket
 from kvgate.policy.clock import Clock, ManualClock, MonotonicClock
 from kvgate.policy.kv import BackendLedger, ThroughputEstimate
+from kvgate.policy.periods import Period, period_key, seconds_until_reset
+from kvgate.policy.pricing import Pricing, pico_to_usd, usd_to_pico
 from kvgate.policy.sizing import plan_new_tokens
+from kvgate.policy.tenant import (
+    BudgetAction,
+    BudgetRule,
+    ConcurrencyRule,
+    RateLimitView,
+    RateRule,
+    ScopeLimits,
+    TenantHold,
+    TenantPolicy,
+    TenantState,
+    Violation,
+)
 from kvgate.policy.types import (
     ActualUsage,
     AdmissionRequest,
@@ -22,15 +38,35 @@ __all__ = [
     "BackendLedger",
     "BackendLimits",
     "BackendStatus",
+    "BucketSpec",
+    "BudgetAction",
+    "BudgetRule",
     "Clock",
+    "ConcurrencyRule",
     "Decision",
     "ManualClock",
     "MonotonicClock",
+    "Period",
+    "Pricing",
+    "RateLimitView",
+    "RateRule",
     "Reason",
     "Reservation",
+    "ScopeLimits",
     "SettleCause",
     "Settlement",
+    "TenantHold",
+    "TenantPolicy",
+    "TenantState",
     "ThroughputEstimate",
+    "TokenBucket",
     "UsageTotals",
+    "Violation",
+    "admit",
+    "period_key",
+    "pico_to_usd",
     "plan_new_tokens",
+    "seconds_until_reset",
+    "settle_tenant",
+    "usd_to_pico",
 ]

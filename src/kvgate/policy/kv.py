@@ -8,8 +8,9 @@ load can never exceed what the GPU holds and vLLM never has to preempt.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from kvgate.policy.tenant import TenantHold
 from kvgate.policy.types import (
     AdmissionRequest,
     BackendLimits,
@@ -62,9 +63,8 @@ class BackendLedger:
     kv_tokens_in_flight: int = 0
     throughput: ThroughputEstimate = field(default_factory=ThroughputEstimate)
 
-    def try_reserve(
-        self, request: AdmissionRequest, reservation_id: str, now: float, lease_ttl_s: float
-    ) -> Decision:
+    def check(self, request: AdmissionRequest, now: float) -> Decision | None:
+        """Why the request does not fit now, or None if it does. Changes nothing."""
         kv_tokens = self.limits.round_to_blocks(request.cost_tokens)
         if kv_tokens > self.limits.kv_budget_tokens:
             # Waiting cannot help: even an idle backend could not hold this request.
@@ -81,7 +81,7 @@ class BackendLedger:
             return Decision(
                 admitted=False,
                 reason=Reason.CONCURRENCY_LIMIT,
-                retry_after_s=self._seconds_until_freed(now, kv_needed=0, slots_needed=1),
+                retry_after_s=self.seconds_until_freed(now, kv_needed=0, slots_needed=1),
                 detail=(
                     f"Backend '{self.limits.name}' is at its limit of "
                     f"{self.limits.max_concurrent_requests} concurrent requests."
@@ -92,22 +92,43 @@ class BackendLedger:
             return Decision(
                 admitted=False,
                 reason=Reason.KV_BUDGET_EXHAUSTED,
-                retry_after_s=self._seconds_until_freed(now, kv_needed=kv_tokens - free),
+                retry_after_s=self.seconds_until_freed(now, kv_needed=kv_tokens - free),
                 detail=(
                     f"Backend '{self.limits.name}' has {free} of "
                     f"{self.limits.kv_budget_tokens} KV tokens free; this request needs "
                     f"{kv_tokens}."
                 ),
             )
+        return None
+
+    def commit(
+        self,
+        request: AdmissionRequest,
+        reservation_id: str,
+        now: float,
+        lease_ttl_s: float,
+        hold: TenantHold | None = None,
+    ) -> Reservation:
+        kv_tokens = self.limits.round_to_blocks(request.cost_tokens)
         reservation = Reservation(
             reservation_id=reservation_id,
             request=request,
             kv_tokens=kv_tokens,
             started_at=now,
             expires_at=now + lease_ttl_s,
+            hold=hold,
         )
         self.in_flight[reservation_id] = reservation
         self.kv_tokens_in_flight += kv_tokens
+        return reservation
+
+    def try_reserve(
+        self, request: AdmissionRequest, reservation_id: str, now: float, lease_ttl_s: float
+    ) -> Decision:
+        rejection = self.check(request, now)
+        if rejection is not None:
+            return rejection
+        reservation = self.commit(request, reservation_id, now, lease_ttl_s)
         return Decision(admitted=True, reason=Reason.ADMITTED, reservation=reservation)
 
     def release(self, reservation_id: str) -> Reservation | None:
@@ -121,13 +142,7 @@ class BackendLedger:
         reservation = self.in_flight.get(reservation_id)
         if reservation is None:
             return False
-        self.in_flight[reservation_id] = Reservation(
-            reservation_id=reservation.reservation_id,
-            request=reservation.request,
-            kv_tokens=reservation.kv_tokens,
-            started_at=reservation.started_at,
-            expires_at=now + lease_ttl_s,
-        )
+        self.in_flight[reservation_id] = replace(reservation, expires_at=now + lease_ttl_s)
         return True
 
     def expire(self, now: float) -> list[Reservation]:
@@ -146,14 +161,22 @@ class BackendLedger:
             max_concurrent_requests=self.limits.max_concurrent_requests,
         )
 
-    def _seconds_until_freed(self, now: float, kv_needed: int, slots_needed: int = 0) -> float:
+    def seconds_until_freed(
+        self,
+        now: float,
+        kv_needed: int,
+        slots_needed: int = 0,
+        tenant: str | None = None,
+    ) -> float:
         """Estimate when enough in-flight work finishes to free what is missing.
 
         Walks the in-flight requests in their expected finishing order (from the learnt
         decode speed) until the freed KV tokens and slots cover the deficit.
         """
         finishing = sorted(
-            (self.throughput.expected_finish(r), r.kv_tokens) for r in self.in_flight.values()
+            (self.throughput.expected_finish(r), r.kv_tokens)
+            for r in self.in_flight.values()
+            if tenant is None or r.request.tenant == tenant
         )
         freed_kv = 0
         wait = MIN_RETRY_AFTER_S

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.policy.tenant import RateLimitView, TenantHold, Violation
 
 
 class Reason(enum.StrEnum):
@@ -15,6 +19,7 @@ class Reason(enum.StrEnum):
 
     ADMITTED = "admitted"
     PASSTHROUGH = "passthrough"
+    USAGE_REPORT = "usage_report"
     MISSING_API_KEY = "missing_api_key"
     INVALID_API_KEY = "invalid_api_key"
     INVALID_REQUEST = "invalid_request"
@@ -24,6 +29,11 @@ class Reason(enum.StrEnum):
     REQUEST_EXCEEDS_KV_BUDGET = "request_exceeds_kv_budget"
     KV_BUDGET_EXHAUSTED = "kv_budget_exhausted"
     CONCURRENCY_LIMIT = "concurrency_limit"
+    RPM_EXCEEDED = "rpm_exceeded"
+    TPM_EXCEEDED = "tpm_exceeded"
+    REQUEST_EXCEEDS_TPM = "request_exceeds_tpm"
+    CONCURRENCY_EXCEEDED = "concurrency_exceeded"
+    BUDGET_EXCEEDED = "budget_exceeded"
     INTERNAL_ERROR = "internal_error"
 
 
@@ -63,6 +73,8 @@ class AdmissionRequest:
     prompt_tokens: int
     max_new_tokens: int
     choices: int = 1
+    # Worst-case cost (no cache discount, every output token used), reserved on budgets.
+    cost_pico: int = 0
 
     @property
     def cost_tokens(self) -> int:
@@ -79,6 +91,7 @@ class Reservation:
     kv_tokens: int
     started_at: float
     expires_at: float
+    hold: TenantHold | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,11 @@ class Decision:
     # Seconds until retrying can succeed; None when waiting cannot help.
     retry_after_s: float | None = None
     detail: str = ""
+    # Every limit the request broke, shadowed ones included (they are only reported).
+    violations: tuple[Violation, ...] = ()
+    rate_limits: RateLimitView | None = None
+    # The tenant's smallest remaining enforced budget, for the clamp and fallback actions.
+    budget_left_pico: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +116,10 @@ class ActualUsage:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +131,7 @@ class Settlement:
     # False when the reservation was already settled (or expired): nothing was charged twice.
     applied: bool = True
     duration_s: float = 0.0
+    cost_pico: int = 0
 
 
 @dataclass(slots=True)
@@ -128,8 +151,11 @@ class UsageTotals:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    cost_pico: int = 0
 
-
-@dataclass(slots=True)
-class LedgerView:
-    by_tenant_model: dict[tuple[str, str], UsageTotals] = field(default_factory=dict)
+    def add(self, usage: ActualUsage, cost_pico: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += usage.prompt_tokens
+        self.output_tokens += usage.output_tokens
+        self.cached_tokens += usage.cached_tokens
+        self.cost_pico += cost_pico

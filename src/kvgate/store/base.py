@@ -6,7 +6,8 @@ protocol so several kvgate replicas enforce one set of limits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvgate.policy import (
@@ -18,21 +19,39 @@ from kvgate.policy import (
     Reservation,
     SettleCause,
     Settlement,
+    TenantPolicy,
     UsageTotals,
 )
 
 ExpiredLeaseHook = Callable[[Reservation], None]
 
 
+@dataclass(slots=True)
+class TenantUsage:
+    """One tenant's ledger for some budget periods ("2026-11-29", "2026-11")."""
+
+    by_period_model: dict[tuple[str, str], UsageTotals] = field(default_factory=dict)
+    spent_pico: dict[str, int] = field(default_factory=dict)
+    reserved_pico: dict[str, int] = field(default_factory=dict)
+
+
 class StateStore(Protocol):
-    async def reserve(self, request: AdmissionRequest, limits: BackendLimits) -> Decision:
+    async def reserve(
+        self, request: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+    ) -> Decision:
         """Check every limit and reserve capacity, atomically: all or nothing."""
         ...
 
     async def settle(
-        self, reservation: Reservation, cause: SettleCause, usage: ActualUsage
+        self,
+        reservation: Reservation,
+        cause: SettleCause,
+        usage: ActualUsage,
+        *,
+        cost_pico: int,
+        tenant: TenantPolicy,
     ) -> Settlement:
-        """Release the reservation and record usage. Idempotent: a second call applies nothing."""
+        """Release the reservation and book usage. Idempotent: a second call applies nothing."""
         ...
 
     async def renew(self, reservation: Reservation) -> bool:
@@ -42,7 +61,9 @@ class StateStore(Protocol):
     async def backend_status(self) -> list[BackendStatus]: ...
 
     async def usage_totals(self) -> dict[tuple[str, str], UsageTotals]:
-        """Ledger totals keyed by (tenant, model)."""
+        """All-time ledger totals keyed by (tenant, model)."""
         ...
+
+    async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage: ...
 
     async def close(self) -> None: ...

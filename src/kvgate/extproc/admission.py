@@ -1,0 +1,218 @@
+"""From a parsed request to a reservation: count, size, price, reserve, and apply the tenant's
+budget action (block, fall back to a cheaper model, or clamp max_tokens) when money runs out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.config.snapshot import ModelRoute, RuntimeSnapshot
+from kvgate.extproc.ratelimit_headers import rate_limit_headers
+from kvgate.extproc.services import GatewayServices
+from kvgate.openai import ApiError, ParsedRequest
+from kvgate.openai import errors as api_errors
+from kvgate.policy import (
+    AdmissionRequest,
+    BudgetAction,
+    Decision,
+    Reason,
+    Reservation,
+    TenantPolicy,
+    plan_new_tokens,
+)
+from kvgate.tokenize import PromptRenderError
+
+FALLBACK_HEADER = "x-kvgate-fallback"
+CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
+
+
+class AdmissionRejected(Exception):
+    def __init__(self, error: ApiError, reason: Reason, decision: Decision | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.reason = reason
+        self.decision = decision
+
+
+@dataclass(slots=True)
+class Admitted:
+    reservation: Reservation
+    route: ModelRoute
+    prompt_tokens: int
+    max_new_tokens: int
+    decision: Decision
+    # Body rewrites the engine must see (model after a fallback, max_tokens after a clamp).
+    new_model: str | None = None
+    new_max_tokens: int | None = None
+    # Headers for the client's response (fallback and clamp notices, x-ratelimit-*).
+    client_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sized:
+    route: ModelRoute
+    prompt_tokens: int
+    max_new_tokens: int
+
+
+class AdmissionPlanner:
+    def __init__(self, services: GatewayServices, snapshot: RuntimeSnapshot) -> None:
+        self._svc = services
+        self._snapshot = snapshot
+
+    async def admit(
+        self, request: ParsedRequest, tenant: TenantPolicy, request_id: str
+    ) -> Admitted:
+        route = self._snapshot.models.get(request.model)
+        if route is None:
+            raise AdmissionRejected(
+                api_errors.model_not_found(request.model), Reason.MODEL_NOT_FOUND
+            )
+        sized = await self._size(request, route, request.max_new_tokens)
+        decision = await self._reserve(request, tenant, sized, request_id)
+        if decision.admitted:
+            return self._admitted(decision, sized)
+        if decision.reason is Reason.BUDGET_EXCEEDED:
+            if tenant.budget_action is BudgetAction.CLAMP:
+                clamped = await self._clamp(request, tenant, sized, decision, request_id)
+                if clamped is not None:
+                    return clamped
+            elif tenant.budget_action is BudgetAction.FALLBACK and tenant.fallback_model:
+                fallen = await self._fall_back(request, tenant, tenant.fallback_model, request_id)
+                if fallen is not None:
+                    return fallen
+        raise AdmissionRejected(_rejection_error(decision), decision.reason, decision)
+
+    # ------------------------------------------------------------------ steps
+
+    async def _size(
+        self, request: ParsedRequest, route: ModelRoute, requested_max_new: int | None
+    ) -> _Sized:
+        prompt_tokens = await self._count(request, route.name)
+        plan = plan_new_tokens(
+            prompt_tokens, requested_max_new, route.default_max_new_tokens, route.max_context
+        )
+        if not plan.ok:
+            raise AdmissionRejected(
+                api_errors.context_length_exceeded(
+                    prompt_tokens,
+                    plan.max_new_tokens,
+                    route.max_context,
+                    param="messages" if request.kind == "chat" else "prompt",
+                ),
+                Reason.CONTEXT_LENGTH_EXCEEDED,
+            )
+        return _Sized(route, prompt_tokens, plan.max_new_tokens)
+
+    async def _count(self, request: ParsedRequest, model: str) -> int:
+        tokenizers = self._svc.tokenizers
+        try:
+            if request.kind == "chat":
+                return await tokenizers.count_chat(
+                    model,
+                    request.messages,
+                    request.tools,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    chat_template_kwargs=request.chat_template_kwargs,
+                )
+            return await tokenizers.count_completion(model, request.prompt)
+        except PromptRenderError as exc:
+            raise AdmissionRejected(
+                api_errors.invalid_request(
+                    exc.client_message, param="messages" if request.kind == "chat" else "prompt"
+                ),
+                Reason.INVALID_REQUEST,
+            ) from None
+
+    async def _reserve(
+        self, request: ParsedRequest, tenant: TenantPolicy, sized: _Sized, request_id: str
+    ) -> Decision:
+        sequences = request.num_sequences
+        admission = AdmissionRequest(
+            request_id=request_id,
+            tenant=tenant.name,
+            model=sized.route.name,
+            backend=sized.route.backend,
+            prompt_tokens=sized.prompt_tokens,
+            max_new_tokens=sized.max_new_tokens,
+            choices=sequences,
+            cost_pico=sized.route.pricing.worst_case(
+                sized.prompt_tokens, sized.max_new_tokens * sequences
+            ),
+        )
+        decision = await self._svc.store.reserve(
+            admission, self._snapshot.backends[sized.route.backend], tenant
+        )
+        self._svc.record_violations(tenant.name, decision)
+        return decision
+
+    def _admitted(self, decision: Decision, sized: _Sized) -> Admitted:
+        assert decision.reservation is not None
+        return Admitted(
+            reservation=decision.reservation,
+            route=sized.route,
+            prompt_tokens=sized.prompt_tokens,
+            max_new_tokens=sized.max_new_tokens,
+            decision=decision,
+            client_headers=rate_limit_headers(decision.rate_limits),
+        )
+
+    async def _clamp(
+        self,
+        request: ParsedRequest,
+        tenant: TenantPolicy,
+        sized: _Sized,
+        decision: Decision,
+        request_id: str,
+    ) -> Admitted | None:
+        """Lower max_tokens to what the remaining budget pays for; None if not even one
+        token of answer fits."""
+        if decision.budget_left_pico is None:
+            return None
+        affordable = sized.route.pricing.output_tokens_affordable(
+            sized.prompt_tokens, decision.budget_left_pico
+        ) // max(1, request.num_sequences)
+        if affordable < 1 or affordable >= sized.max_new_tokens:
+            return None
+        smaller = _Sized(sized.route, sized.prompt_tokens, affordable)
+        retry = await self._reserve(request, tenant, smaller, request_id)
+        if not retry.admitted:
+            return None
+        admitted = self._admitted(retry, smaller)
+        admitted.new_max_tokens = affordable
+        admitted.client_headers[CLAMP_HEADER] = f"{sized.max_new_tokens} -> {affordable}"
+        return admitted
+
+    async def _fall_back(
+        self, request: ParsedRequest, tenant: TenantPolicy, fallback: str, request_id: str
+    ) -> Admitted | None:
+        route = self._snapshot.models.get(fallback)
+        if route is None or route.name == request.model:
+            return None
+        # The fallback model has its own tokenizer, context and prices: count again.
+        sized = await self._size(request, route, request.max_new_tokens)
+        decision = await self._reserve(request, tenant, sized, request_id)
+        if not decision.admitted:
+            return None
+        admitted = self._admitted(decision, sized)
+        admitted.new_model = route.name
+        admitted.client_headers[FALLBACK_HEADER] = f"{request.model} -> {route.name}"
+        return admitted
+
+
+def _rejection_error(decision: Decision) -> ApiError:
+    reason = decision.reason
+    headers = rate_limit_headers(decision.rate_limits)
+    if reason in (Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM):
+        # Waiting cannot help: a 400, with no Retry-After.
+        return api_errors.invalid_request(decision.detail, param="max_tokens", code=reason.value)
+    if reason is Reason.BUDGET_EXCEEDED:
+        return api_errors.rate_limited(
+            decision.detail,
+            reason.value,
+            decision.retry_after_s,
+            headers,
+            error_type="insufficient_quota",
+        )
+    return api_errors.rate_limited(decision.detail, reason.value, decision.retry_after_s, headers)

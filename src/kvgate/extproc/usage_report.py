@@ -1,0 +1,66 @@
+"""The tenant's own usage view (`GET /v1/kvgate/usage` through Envoy, authenticated by the
+tenant's key) and the operator's view of every tenant (kvgate's HTTP port)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvgate.config.snapshot import RuntimeSnapshot
+from kvgate.extproc.services import GatewayServices
+from kvgate.policy import Period, UsageTotals, period_key, pico_to_usd, seconds_until_reset
+
+USAGE_PATH = "/v1/kvgate/usage"
+
+
+def _money(pico: int) -> str:
+    return format(pico_to_usd(pico).normalize(), "f")
+
+
+def _totals(totals: UsageTotals) -> dict[str, Any]:
+    return {
+        "requests": totals.requests,
+        "prompt_tokens": totals.prompt_tokens,
+        "cached_prompt_tokens": totals.cached_tokens,
+        "output_tokens": totals.output_tokens,
+        "cost_usd": _money(totals.cost_pico),
+    }
+
+
+async def tenant_usage_report(
+    services: GatewayServices, snapshot: RuntimeSnapshot, tenant: str
+) -> dict[str, Any]:
+    wall = services.clock.wall()
+    policy = snapshot.tenants.get(tenant)
+    keys = {period: period_key(period, wall) for period in (Period.DAY, Period.MONTH)}
+    usage = await services.store.tenant_usage(tenant, keys.values())
+    report: dict[str, Any] = {"object": "kvgate.usage", "tenant": tenant}
+    for period, key in keys.items():
+        by_model = {
+            model: _totals(totals)
+            for (period_key_, model), totals in sorted(usage.by_period_model.items())
+            if period_key_ == key
+        }
+        total = UsageTotals()
+        for (period_key_, _), totals in usage.by_period_model.items():
+            if period_key_ == key:
+                total.requests += totals.requests
+                total.prompt_tokens += totals.prompt_tokens
+                total.cached_tokens += totals.cached_tokens
+                total.output_tokens += totals.output_tokens
+                total.cost_pico += totals.cost_pico
+        entry: dict[str, Any] = {
+            "period": key,
+            "resets_in_s": round(seconds_until_reset(period, wall)),
+            **_totals(total),
+            "by_model": by_model,
+            "reserved_usd": _money(usage.reserved_pico.get(key, 0)),
+        }
+        rule = next((b for b in policy.budgets if b.period is period), None) if policy else None
+        if rule is not None:
+            spent = usage.spent_pico.get(key, 0)
+            entry["budget_usd"] = _money(rule.cap_pico)
+            entry["remaining_usd"] = _money(
+                max(0, rule.cap_pico - spent - usage.reserved_pico.get(key, 0))
+            )
+        report["today" if period is Period.DAY else "this_month"] = entry
+    return report

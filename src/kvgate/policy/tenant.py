@@ -1,0 +1,323 @@
+"""Per-tenant limits: RPM and TPM token buckets, concurrency, daily and monthly budgets.
+
+Admission is two-phase so that a request reserves on every limit or on none: `evaluate`
+looks without touching anything, `apply` reserves on all of them. Callers run both inside one
+atomic section (one event-loop step in memory, one Lua script in Redis).
+
+Limits apply tenant-wide and, optionally, per tenant x model. A shadowed limit is evaluated
+and consumed like any other, but its violations are only reported, never enforced.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kvgate.policy.buckets import BucketSpec, TokenBucket
+from kvgate.policy.periods import Period, period_key, seconds_until_reset
+from kvgate.policy.types import Reason
+
+TENANT_SCOPE = ""  # the scope key of tenant-wide limits; model scopes use the model name
+
+
+class BudgetAction(enum.StrEnum):
+    BLOCK = "block"
+    FALLBACK = "fallback"
+    CLAMP = "clamp"
+
+
+@dataclass(frozen=True, slots=True)
+class RateRule:
+    spec: BucketSpec
+    shadow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyRule:
+    limit: int
+    shadow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeLimits:
+    rpm: RateRule | None = None
+    tpm: RateRule | None = None
+    concurrency: ConcurrencyRule | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetRule:
+    period: Period
+    cap_pico: int
+    shadow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    name: str
+    limits: ScopeLimits = ScopeLimits()
+    model_limits: Mapping[str, ScopeLimits] = field(default_factory=lambda: MappingProxyType({}))
+    budgets: tuple[BudgetRule, ...] = ()
+    budget_action: BudgetAction = BudgetAction.BLOCK
+    fallback_model: str | None = None
+
+    def scopes(self, model: str) -> list[tuple[str, ScopeLimits]]:
+        scopes = [(TENANT_SCOPE, self.limits)]
+        if model in self.model_limits:
+            scopes.append((model, self.model_limits[model]))
+        return scopes
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    reason: Reason
+    limit: str  # a metric label: "rpm", "tpm", "concurrency", "budget_day", "model:tpm", ...
+    detail: str
+    retry_after_s: float | None  # None: waiting cannot help (unless frees_with_work)
+    shadow: bool = False
+    # True when the wait depends on in-flight work finishing (concurrency): the caller,
+    # who sees that work, estimates it.
+    frees_with_work: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TenantHold:
+    """What one admitted request holds on its tenant's limits, to be undone at settlement."""
+
+    model: str
+    tokens: int
+    cost_pico: int
+    period_keys: tuple[tuple[Period, str], ...]
+    concurrency_scopes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitView:
+    """The numbers behind OpenAI's x-ratelimit-* headers (the tenant-wide scope)."""
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests_s: float | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens_s: float | None = None
+
+
+@dataclass(slots=True)
+class ScopeState:
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+    in_flight: int = 0
+
+
+@dataclass(slots=True)
+class TenantState:
+    scopes: dict[str, ScopeState] = field(default_factory=dict)
+    # Budget money per period key ("2026-11-29", "2026-11"), in pico-dollars.
+    spent: dict[str, int] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)
+
+    def scope(self, key: str, limits: ScopeLimits, now: float) -> ScopeState:
+        state = self.scopes.get(key)
+        if state is None:
+            state = self.scopes[key] = ScopeState()
+        state.requests = _sync_bucket(state.requests, limits.rpm, now)
+        state.tokens = _sync_bucket(state.tokens, limits.tpm, now)
+        return state
+
+
+def _sync_bucket(
+    bucket: TokenBucket | None, rule: RateRule | None, now: float
+) -> TokenBucket | None:
+    if rule is None:
+        return None
+    if bucket is None:
+        return TokenBucket.full(rule.spec, now)
+    if bucket.spec != rule.spec:
+        bucket.resize(rule.spec, now)
+    return bucket
+
+
+def _label(scope: str, name: str) -> str:
+    return name if scope == TENANT_SCOPE else f"model:{name}"
+
+
+def evaluate(
+    policy: TenantPolicy,
+    state: TenantState,
+    *,
+    model: str,
+    tokens: int,
+    cost_pico: int,
+    now: float,
+    wall: float,
+) -> list[Violation]:
+    """Every limit this request would break, enforced and shadowed. Changes nothing."""
+    violations: list[Violation] = []
+    for scope_key, limits in policy.scopes(model):
+        scope = state.scope(scope_key, limits, now)
+        where = "" if scope_key == TENANT_SCOPE else f" for model '{scope_key}'"
+        if limits.rpm is not None and scope.requests is not None:
+            wait = scope.requests.wait_for(1, now)
+            if wait > 0:
+                violations.append(
+                    Violation(
+                        Reason.RPM_EXCEEDED,
+                        _label(scope_key, "rpm"),
+                        f"Rate limit reached for requests per minute{where}: limit "
+                        f"{limits.rpm.spec.capacity:g}.",
+                        wait,
+                        limits.rpm.shadow,
+                    )
+                )
+        if limits.tpm is not None and scope.tokens is not None:
+            capacity = limits.tpm.spec.capacity
+            if tokens > capacity:
+                violations.append(
+                    Violation(
+                        Reason.REQUEST_EXCEEDS_TPM,
+                        _label(scope_key, "tpm"),
+                        f"This request needs {tokens} tokens (prompt + max new tokens), more "
+                        f"than the tokens-per-minute limit{where} allows at once "
+                        f"({capacity:g}). Lower max_tokens or shorten the prompt.",
+                        None,
+                        limits.tpm.shadow,
+                    )
+                )
+            else:
+                wait = scope.tokens.wait_for(tokens, now)
+                if wait > 0:
+                    available = max(0, math.floor(scope.tokens.available(now)))
+                    violations.append(
+                        Violation(
+                            Reason.TPM_EXCEEDED,
+                            _label(scope_key, "tpm"),
+                            f"Rate limit reached for tokens per minute{where}: limit "
+                            f"{capacity:g}, available {available}, requested {tokens}.",
+                            wait,
+                            limits.tpm.shadow,
+                        )
+                    )
+        if limits.concurrency is not None and scope.in_flight >= limits.concurrency.limit:
+            violations.append(
+                Violation(
+                    Reason.CONCURRENCY_EXCEEDED,
+                    _label(scope_key, "concurrency"),
+                    f"Too many concurrent requests{where}: limit {limits.concurrency.limit}.",
+                    None,
+                    limits.concurrency.shadow,
+                    frees_with_work=True,
+                )
+            )
+    for rule in policy.budgets:
+        key = period_key(rule.period, wall)
+        left = rule.cap_pico - state.spent.get(key, 0) - state.reserved.get(key, 0)
+        if cost_pico > left:
+            never = cost_pico > rule.cap_pico
+            violations.append(
+                Violation(
+                    Reason.BUDGET_EXCEEDED,
+                    f"budget_{rule.period.value}",
+                    (
+                        f"This request's worst-case cost exceeds the whole {rule.period.value}ly "
+                        "budget."
+                        if never
+                        else f"The {rule.period.value}ly budget is exhausted."
+                    ),
+                    None if never else seconds_until_reset(rule.period, wall),
+                    rule.shadow,
+                )
+            )
+    return violations
+
+
+def budget_left_pico(policy: TenantPolicy, state: TenantState, wall: float) -> int | None:
+    """The smallest remaining (enforced) budget, or None when no budget is enforced."""
+    lefts = [
+        rule.cap_pico
+        - state.spent.get(period_key(rule.period, wall), 0)
+        - state.reserved.get(period_key(rule.period, wall), 0)
+        for rule in policy.budgets
+        if not rule.shadow
+    ]
+    return min(lefts) if lefts else None
+
+
+def apply(
+    policy: TenantPolicy,
+    state: TenantState,
+    *,
+    model: str,
+    tokens: int,
+    cost_pico: int,
+    now: float,
+    wall: float,
+) -> TenantHold:
+    """Reserve on every limit (call only after `evaluate` found nothing enforced)."""
+    concurrency_scopes: list[str] = []
+    for scope_key, limits in policy.scopes(model):
+        scope = state.scope(scope_key, limits, now)
+        if scope.requests is not None:
+            scope.requests.take(1, now)
+        if scope.tokens is not None:
+            scope.tokens.take(tokens, now)
+        scope.in_flight += 1
+        concurrency_scopes.append(scope_key)
+    # Both periods, budget or not: the ledger books usage per day and per month.
+    keys = tuple((period, period_key(period, wall)) for period in (Period.DAY, Period.MONTH))
+    for _, key in keys:
+        state.reserved[key] = state.reserved.get(key, 0) + cost_pico
+    return TenantHold(
+        model=model,
+        tokens=tokens,
+        cost_pico=cost_pico,
+        period_keys=keys,
+        concurrency_scopes=tuple(concurrency_scopes),
+    )
+
+
+def release(
+    policy: TenantPolicy,
+    state: TenantState,
+    hold: TenantHold,
+    *,
+    used_tokens: int,
+    cost_pico: int,
+    now: float,
+) -> None:
+    """Settle: refund unused tokens (or charge the overshoot), free the slot, book the cost."""
+    limits_by_scope = dict(policy.scopes(hold.model))
+    for scope_key in hold.concurrency_scopes:
+        limits = limits_by_scope.get(scope_key, ScopeLimits())
+        scope = state.scope(scope_key, limits, now)
+        scope.in_flight = max(0, scope.in_flight - 1)
+        if scope.tokens is not None:
+            scope.tokens.give_back(hold.tokens - used_tokens, now)
+    for _, key in hold.period_keys:
+        state.reserved[key] = max(0, state.reserved.get(key, 0) - hold.cost_pico)
+        state.spent[key] = state.spent.get(key, 0) + cost_pico
+
+
+def rate_limit_view(policy: TenantPolicy, state: TenantState, now: float) -> RateLimitView:
+    limits = policy.limits
+    scope = state.scope(TENANT_SCOPE, limits, now)
+    view = RateLimitView()
+    if limits.rpm is not None and scope.requests is not None:
+        view = RateLimitView(
+            limit_requests=int(limits.rpm.spec.capacity),
+            remaining_requests=max(0, math.floor(scope.requests.available(now))),
+            reset_requests_s=scope.requests.seconds_until_full(now),
+        )
+    if limits.tpm is not None and scope.tokens is not None:
+        view = RateLimitView(
+            limit_requests=view.limit_requests,
+            remaining_requests=view.remaining_requests,
+            reset_requests_s=view.reset_requests_s,
+            limit_tokens=int(limits.tpm.spec.capacity),
+            remaining_tokens=max(0, math.floor(scope.tokens.available(now))),
+            reset_tokens_s=scope.tokens.seconds_until_full(now),
+        )
+    return view
