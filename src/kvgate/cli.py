@@ -6,6 +6,7 @@ import argparse
 import getpass
 import sys
 
+from kvgate.capacity.cli import add_kv_budget_command
 from kvgate.config import ConfigError, hash_api_key, load_config
 
 
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key = sub.add_parser("hash-key", help="print the SHA-256 digest to put in the config")
     hash_key.add_argument("key", nargs="?", help="the key (read from stdin when omitted)")
     hash_key.set_defaults(func=_hash_key)
+
+    add_kv_budget_command(sub)
     return parser
 
 
