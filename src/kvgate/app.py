@@ -20,6 +20,7 @@ from kvgate.extproc.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.http import create_http_app
 from kvgate.policy import MonotonicClock, Reservation
+from kvgate.reload import ConfigReloader
 from kvgate.store import MemoryStore, StateStore
 from kvgate.tokenize import PromptCounter, TokenizerService, resolve_tokenizer_dir
 
@@ -41,8 +42,9 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
 
 
 class KvgateServer:
-    def __init__(self, config: KvgateConfig) -> None:
+    def __init__(self, config: KvgateConfig, config_path: Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path
         self.metrics = Metrics()
         self.clock = MonotonicClock()
         self.snapshots = SnapshotHolder(compile_snapshot(config))
@@ -63,6 +65,7 @@ class KvgateServer:
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self._ready = False
+        self.reloader: ConfigReloader | None = None
         self.grpc_port = 0
         self.http_port = 0
 
@@ -132,6 +135,15 @@ class KvgateServer:
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         self.http_port = sockets[0].getsockname()[1] if sockets else int(port)
 
+        if self.config_path is not None:
+            self.reloader = ConfigReloader(
+                self.config_path,
+                snapshots=self.snapshots,
+                tokenizers=self.tokenizers,
+                metrics=self.metrics,
+            )
+            self.reloader.start_watching()
+
         self._ready = True
         await self._set_serving(True)
         log.info(
@@ -145,6 +157,8 @@ class KvgateServer:
         self._ready = False
         await self._set_serving(False)
         self.services.shutting_down = True
+        if self.reloader is not None:
+            await self.reloader.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace)
         await self.services.drain(timeout_s=10.0)
@@ -155,22 +169,31 @@ class KvgateServer:
         log.info("kvgate stopped")
 
 
-async def serve(config: KvgateConfig) -> None:
-    server = KvgateServer(config)
+async def serve(config: KvgateConfig, config_path: Path | None = None) -> None:
+    server = KvgateServer(config, config_path)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloader = server.reloader
+    if reloader is not None:
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: server.services.track(_reload(reloader, "sighup"))
+        )
     await stop.wait()
     log.info("shutting down")
     await server.stop()
 
 
-def run(config: KvgateConfig) -> None:
+async def _reload(reloader: ConfigReloader, trigger: str) -> None:
+    await reloader.reload(trigger)
+
+
+def run(config: KvgateConfig, config_path: Path | None = None) -> None:
     try:
         import uvloop
-
-        uvloop.run(serve(config))
     except ImportError:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, config_path))
+    else:
+        uvloop.run(serve(config, config_path))

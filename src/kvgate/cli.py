@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import sys
+from pathlib import Path
 
 from kvgate.capacity.cli import add_kv_budget_command
 from kvgate.config import ConfigError, hash_api_key, load_config
@@ -20,7 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    run(config)
+    run(config, Path(args.config))
     return 0
 
 

@@ -38,6 +38,7 @@ from kvgate.policy import (
     Reservation,
     SettleCause,
     TenantPolicy,
+    pico_to_usd,
 )
 
 log = logging.getLogger("kvgate.session")
@@ -253,6 +254,8 @@ class StreamSession:
     def _reject(self, error: ApiError, reason: Reason) -> pb.ProcessingResponse:
         self.phase = Phase.REJECTED
         self._svc.metrics.requests.labels("rejected", reason.value).inc()
+        if self.tenant is not None:
+            self._svc.metrics.tenant_rejections.labels(self.tenant, reason.value).inc()
         log.info(
             "rejected",
             extra={
@@ -321,6 +324,12 @@ class StreamSession:
         await self._settle(self._end_cause(), usage)
         meta = self._metadata("admitted")
         meta["output_tokens"] = usage.output_tokens
+        meta["settled"] = self._end_cause().value
+        if self._route is not None:
+            cost = self._route.pricing.cost(
+                usage.prompt_tokens, usage.output_tokens, usage.cached_tokens
+            )
+            meta["cost_usd"] = str(pico_to_usd(cost))
         return messages.continue_response_body(replacement, dynamic_metadata=meta)
 
     def _streamed(self) -> bool:
@@ -443,6 +452,8 @@ class StreamSession:
         if self._request is not None:
             meta["model"] = self._request.model
         if self.reservation is not None:
+            # After a budget fallback this is the model that really served the request.
+            meta["model"] = self.reservation.request.model
             meta["backend"] = self.reservation.request.backend
             meta["reserved_tokens"] = self.reservation.kv_tokens
         if self._prompt_tokens:

@@ -124,6 +124,23 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        self.tenant_rejections = Counter(
+            "kvgate_tenant_rejections",
+            "Requests rejected by kvgate, by tenant and reason.",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "kvgate_config_reloads",
+            "Configuration reloads, by result (success, failure).",
+            ["result"],
+            registry=r,
+        )
+        self.config_generation = Gauge(
+            "kvgate_config_generation",
+            "How many configurations this process has applied (1 at start).",
+            registry=r,
+        )
         self.internal_errors = Counter(
             "kvgate_internal_errors",
             "Unexpected errors while handling a stream (each answered, none crashed kvgate).",

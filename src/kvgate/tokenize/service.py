@@ -65,6 +65,10 @@ class _LRU:
         with self._lock:
             return CacheStats(self.hits, self.misses, len(self._data), self.capacity)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
 
 def _digest(model: str, kind: str, payload: Any) -> bytes:
     # Canonical = compact and deterministic, but key order is kept: chat templates
@@ -93,7 +97,13 @@ class TokenizerService:
     # -- registry -----------------------------------------------------------------------
 
     def register(self, model_name: str, counter: PromptCounter) -> None:
+        if model_name in self._counters:
+            # A reload swapped this model's tokenizer: cached counts may be wrong now.
+            self._cache.clear()
         self._counters[model_name] = counter
+
+    def unregister(self, model_name: str) -> None:
+        self._counters.pop(model_name, None)
 
     def models(self) -> list[str]:
         return sorted(self._counters)
