@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_MODEL := var/models/qwen2.5-demo
 
-.PHONY: up test lint format install demo-model clean
+.PHONY: up test lint format install demo-model clean protos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,8 @@ format: install
 
 clean:
 	rm -rf $(VENV) var build *.egg-info
+
+# Regenerate the admin API stubs after editing protos/ (the suite checks they are fresh).
+protos: install
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=src --pyi_out=src \
+		--grpc_python_out=src protos/kvgate/admin/v1/admin.proto

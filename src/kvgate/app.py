@@ -14,6 +14,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvgate.admin.service import AdminService
+from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.usage_report import tenant_usage_report
@@ -21,12 +23,23 @@ from kvgate.metrics import Metrics
 from kvgate.metrics.http import create_http_app
 from kvgate.policy import MonotonicClock, Reservation
 from kvgate.reload import ConfigReloader
-from kvgate.store import MemoryStore, StateStore
+from kvgate.store import (
+    FailurePolicy,
+    FallbackStore,
+    MemoryStore,
+    RedisSettings,
+    RedisStore,
+    StateStore,
+)
 from kvgate.tokenize import PromptCounter, TokenizerService, resolve_tokenizer_dir
 
 log = logging.getLogger("kvgate")
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# grpc.health.v1 service reporting the shared store: NOT_SERVING while Redis is down. The
+# server ("") stays SERVING: kvgate still answers (503 + Retry-After under fail_closed, local
+# limits under fail_open), and Envoy must keep sending it traffic for that.
+STORE_HEALTH_SERVICE = "kvgate.store"
 
 
 def load_tokenizers(config: KvgateConfig) -> TokenizerService:
@@ -48,11 +61,9 @@ class KvgateServer:
         self.metrics = Metrics()
         self.clock = MonotonicClock()
         self.snapshots = SnapshotHolder(compile_snapshot(config))
-        self.store: StateStore = MemoryStore(
-            lease_ttl_s=config.server.lease_ttl_s,
-            clock=self.clock,
-            on_lease_expired=self._lease_expired,
-        )
+        self.health = health.aio.HealthServicer()
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
         self.services = GatewayServices(
             snapshots=self.snapshots,
@@ -61,13 +72,64 @@ class KvgateServer:
             metrics=self.metrics,
             clock=self.clock,
         )
-        self.health = health.aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self._ready = False
         self.reloader: ConfigReloader | None = None
+        self._admin: grpc.aio.Server | None = None
+        self.admin_port = 0
         self.grpc_port = 0
         self.http_port = 0
+
+    def _build_store(self, config: KvgateConfig) -> StateStore:
+        """The memory store, or Redis behind the failure policy (a change needs a restart)."""
+        local = MemoryStore(
+            lease_ttl_s=config.server.lease_ttl_s,
+            clock=self.clock,
+            on_lease_expired=self._lease_expired,
+        )
+        if not config.uses_redis:
+            return local
+        redis_cfg = config.redis
+        sentinel = redis_cfg.sentinel
+        nodes = [node.rpartition(":") for node in sentinel.nodes] if sentinel else []
+        settings = RedisSettings(
+            url=config.store,
+            key_prefix=redis_cfg.key_prefix,
+            connect_timeout_s=redis_cfg.connect_timeout_s,
+            timeout_s=redis_cfg.timeout_s,
+            cluster=redis_cfg.cluster,
+            sentinel_master=sentinel.master if sentinel else None,
+            sentinel_nodes=tuple((host, int(port)) for host, _, port in nodes),
+            sentinel_password=sentinel.password if sentinel else None,
+            max_connections=redis_cfg.max_connections,
+        )
+        shared = RedisStore.from_settings(
+            settings, lease_ttl_s=config.server.lease_ttl_s, on_lease_expired=self._lease_expired
+        )
+        return FallbackStore(
+            shared,
+            local,
+            policy=FailurePolicy(redis_cfg.failure_policy),
+            retry_after_s=redis_cfg.unavailable_retry_after_s,
+            probe_interval_s=redis_cfg.probe_interval_s,
+            max_pending=redis_cfg.max_pending_settlements,
+            events=_StoreEvents(self),
+        )
+
+    async def _set_store_health(self, up: bool) -> None:
+        self.metrics.store_up.set(1 if up else 0)
+        await self.health.set(
+            STORE_HEALTH_SERVICE,
+            health_pb2.HealthCheckResponse.SERVING
+            if up
+            else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+
+    def store_availability_changed(self, up: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._set_store_health(up))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     def _lease_expired(self, reservation: Reservation) -> None:
         self.metrics.expired_leases.labels(reservation.request.backend).inc()
@@ -119,6 +181,9 @@ class KvgateServer:
             self._grpc,
         )
         await self._set_serving(False)
+        if isinstance(self.store, FallbackStore):
+            # Redis down at start-up is not fatal: the failure policy applies until it answers.
+            await self._set_store_health(await self.store.check())
         self.grpc_port = self._grpc.add_insecure_port(server_cfg.grpc_listen)
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {server_cfg.grpc_listen} (gRPC)")
@@ -143,6 +208,7 @@ class KvgateServer:
                 metrics=self.metrics,
             )
             self.reloader.start_watching()
+        await self._start_admin(options)
 
         self._ready = True
         await self._set_serving(True)
@@ -150,6 +216,20 @@ class KvgateServer:
             "kvgate serving",
             extra={"grpc_port": self.grpc_port, "http_port": self.http_port},
         )
+
+    async def _start_admin(self, options: list[tuple[str, int]]) -> None:
+        self._admin = grpc.aio.server(options=options)
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminService(self.services, self.snapshots, self.reloader), self._admin
+        )
+        reflection.enable_server_reflection(
+            (admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME),
+            self._admin,
+        )
+        self.admin_port = self._admin.add_insecure_port(self.config.server.admin_listen)
+        if self.admin_port == 0:
+            raise OSError(f"cannot listen on {self.config.server.admin_listen} (admin gRPC)")
+        await self._admin.start()
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight streams finish within the grace period, settle the rest."""
@@ -159,6 +239,8 @@ class KvgateServer:
         self.services.shutting_down = True
         if self.reloader is not None:
             await self.reloader.stop()
+        if self._admin is not None:
+            await self._admin.stop(0)
         if self._grpc is not None:
             await self._grpc.stop(grace)
         await self.services.drain(timeout_s=10.0)
@@ -167,6 +249,33 @@ class KvgateServer:
         await self.store.close()
         self.tokenizers.close()
         log.info("kvgate stopped")
+
+
+class _StoreEvents:
+    """The failure handling's reports, as metrics and health."""
+
+    def __init__(self, server: KvgateServer) -> None:
+        self._server = server
+        self._metrics = server.metrics
+
+    def availability(self, up: bool) -> None:
+        self._server.store_availability_changed(up)
+
+    def fallback_decision(self, admitted: bool) -> None:
+        outcome = "admitted" if admitted else "rejected"
+        self._metrics.store_fallback_decisions.labels(outcome).inc()
+
+    def error(self, op: str) -> None:
+        self._metrics.store_errors.labels(op).inc()
+
+    def pending(self, count: int) -> None:
+        self._metrics.store_pending_settlements.set(count)
+
+    def dropped(self) -> None:
+        self._metrics.store_dropped_settlements.inc()
+
+    def reconciled(self, kind: str) -> None:
+        self._metrics.store_reconciled_settlements.labels(kind).inc()
 
 
 async def serve(config: KvgateConfig, config_path: Path | None = None) -> None:

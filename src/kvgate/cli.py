@@ -7,6 +7,7 @@ import getpass
 import sys
 from pathlib import Path
 
+from kvgate.admin.client import add_admin_commands
 from kvgate.capacity.cli import add_kv_budget_command
 from kvgate.config import ConfigError, hash_api_key, load_config
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key.set_defaults(func=_hash_key)
 
     add_kv_budget_command(sub)
+    add_admin_commands(sub)
     return parser
 
 

@@ -512,6 +512,7 @@ class Stack:
         self.admin_port = free_port()
         self.grpc_port = free_port()
         self.kvgate_http_port = free_port()
+        self.kvgate_admin_port = free_port()
         self.sim_ports = {b["name"]: free_port() for b in self.backends}
 
         self.kvgate_config_path = self.work_dir / "kvgate.yaml"
@@ -537,6 +538,7 @@ class Stack:
             "server": {
                 "grpc_listen": f"127.0.0.1:{self.grpc_port}",
                 "http_listen": f"127.0.0.1:{self.kvgate_http_port}",
+                "admin_listen": f"127.0.0.1:{self.kvgate_admin_port}",
             },
             "store": "memory",
             "tenants": self.tenants,
@@ -810,3 +812,107 @@ class Stack:
         if exc is not None:
             sys.stderr.write(self.dump_logs())
         self.stop()
+
+
+# --------------------------------------------------------------------------- test helpers
+# Read-only views of a running stack for assertions: kvgate's Prometheus metrics and usage
+# ledger, the simulator's /sim/stats, and a bounded poll.
+
+# Imported here, not at the top, to keep these helpers one additive block.
+from typing import TypeVar  # noqa: E402
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+MetricKey = tuple[str, frozenset[tuple[str, str]]]
+
+
+class MetricSamples:
+    """One scrape of a Prometheus text page: sample name + labels -> value."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[MetricKey, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.name, frozenset(sample.labels.items()))
+                self.samples[key] = float(sample.value)
+
+    def get(self, name: str, **labels: str) -> float | None:
+        """The sample with exactly these labels, or None when it is absent."""
+        return self.samples.get((name, frozenset(labels.items())))
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sample with exactly these labels; 0 when absent (a counter never touched)."""
+        found = self.get(name, **labels)
+        return 0.0 if found is None else found
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of every sample of `name` whose labels include `labels` (0 when none)."""
+        wanted = set(labels.items())
+        return sum(
+            value
+            for (sample, sample_labels), value in self.samples.items()
+            if sample == name and wanted <= sample_labels
+        )
+
+
+def kvgate_metrics(stack: Stack) -> MetricSamples:
+    with urllib.request.urlopen(stack.kvgate_metrics_url, timeout=5) as resp:
+        return MetricSamples(resp.read().decode())
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read().decode())
+
+
+def kvgate_usage(stack: Stack) -> dict[str, Any]:
+    """kvgate's operator ledger (`GET /admin/usage` on its HTTP port)."""
+    report: dict[str, Any] = _get_json(f"{stack.kvgate_http_url}/admin/usage")
+    return report
+
+
+def tenant_totals(
+    stack: Stack, tenant: str = DEMO_TENANT, period: str = "this_month"
+) -> dict[str, int]:
+    """A tenant's ledger totals for `period` ("today" / "this_month"); zeros when none yet."""
+    totals = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0}
+    for entry in kvgate_usage(stack).get("tenants", []):
+        if entry.get("tenant") == tenant:
+            for key in totals:
+                totals[key] = int(entry[period][key])
+    return totals
+
+
+def sim_stats(stack: Stack, backend: str | None = None) -> dict[str, Any]:
+    """The simulator's `/sim/stats` (first backend's unless named)."""
+    url = stack.sim_urls[backend] if backend else stack.sim_url
+    stats: dict[str, Any] = _get_json(f"{url}/sim/stats")
+    return stats
+
+
+def sim_reset(stack: Stack, backend: str | None = None) -> None:
+    """Zero the simulator's counters (preemptions, peaks, served records)."""
+    url = stack.sim_urls[backend] if backend else stack.sim_url
+    request = urllib.request.Request(f"{url}/sim/reset", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        resp.read()
+
+
+_T = TypeVar("_T")
+
+
+def wait_until(
+    probe: Callable[[], _T],
+    done: Callable[[_T], bool],
+    *,
+    timeout: float,
+    interval: float = 0.05,
+) -> _T:
+    """Call `probe` until `done(result)`, for at most `timeout` s; returns the last result
+    either way, so the caller's assertion shows the value that did not converge."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = probe()
+        if done(result) or time.monotonic() > deadline:
+            return result
+        time.sleep(interval)

@@ -22,7 +22,11 @@ API_KEY = "sk-test-session"
 
 def make_config(**backend: Any) -> dict[str, Any]:
     return {
-        "server": {"grpc_listen": "127.0.0.1:0", "http_listen": "127.0.0.1:0"},
+        "server": {
+            "grpc_listen": "127.0.0.1:0",
+            "http_listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+        },
         "tenants": [{"name": "acme", "api_key_sha256": hash_api_key(API_KEY)}],
         "models": [
             {

@@ -31,6 +31,8 @@ class _Strict(BaseModel):
 class ServerConfig(_Strict):
     grpc_listen: str = "127.0.0.1:50051"
     http_listen: str = "127.0.0.1:9464"
+    # The operator gRPC API (usage, backends, reload): keep it on a private address.
+    admin_listen: str = "127.0.0.1:50052"
     # Seconds in-flight streams get to finish on SIGTERM before they are cut and settled.
     shutdown_grace_s: float = Field(default=25.0, ge=0)
     # Reservations are leases: one nobody renews (a lost stream) frees itself after this.
@@ -42,7 +44,7 @@ class ServerConfig(_Strict):
     max_buffered_response_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     grpc_max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=4 * 1024 * 1024)
 
-    @field_validator("grpc_listen", "http_listen")
+    @field_validator("grpc_listen", "http_listen", "admin_listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
         host, sep, port = value.rpartition(":")
@@ -214,12 +216,74 @@ class BackendConfig(_Strict):
         return self
 
 
+class SentinelConfig(_Strict):
+    """Find the Redis master through Sentinel (the `store` URL then gives only credentials,
+    database and TLS for the master)."""
+
+    master: str = Field(min_length=1, description="the monitored master's name")
+    nodes: list[str] = Field(min_length=1, description="sentinels as HOST:PORT")
+    password: str | None = Field(default=None, description="the sentinels' own password")
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_ports(cls, value: list[str]) -> list[str]:
+        for node in value:
+            host, sep, port = node.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"'{node}' must be HOST:PORT")
+        return value
+
+
+class RedisConfig(_Strict):
+    """The shared store (used when `store` is a redis:// or rediss:// URL)."""
+
+    # Every key is "{key_prefix}:...": one hash tag, so one Redis Cluster slot per deployment.
+    key_prefix: str = Field(default="kvgate", pattern=r"^[A-Za-z0-9._:/-]{1,64}$")
+    # Every call is bounded by this (socket timeouts and an overall deadline): no request
+    # waits longer on Redis.
+    timeout_s: float = Field(default=0.25, gt=0, le=30)
+    connect_timeout_s: float = Field(default=0.25, gt=0, le=30)
+    # What admission does while Redis cannot answer: 503 with Retry-After, or admit with
+    # per-replica local limits and reconcile the ledger when Redis returns.
+    failure_policy: Literal["fail_closed", "fail_open"] = "fail_closed"
+    unavailable_retry_after_s: float = Field(default=2.0, gt=0)
+    # While Redis is down it is pinged this often; requests never wait for it meanwhile.
+    probe_interval_s: float = Field(default=1.0, gt=0)
+    # Settlements waiting for Redis to come back; past this the oldest are dropped (reported).
+    max_pending_settlements: int = Field(default=10_000, ge=1)
+    # Redis calls in flight at once per replica (and connections per Redis node).
+    max_connections: int = Field(default=64, ge=1, le=10_000)
+    # The URL is one node of a Redis Cluster.
+    cluster: bool = False
+    sentinel: SentinelConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_topology(self) -> RedisConfig:
+        if self.cluster and self.sentinel is not None:
+            raise ValueError("cluster and sentinel are mutually exclusive")
+        return self
+
+
 class KvgateConfig(_Strict):
     server: ServerConfig = ServerConfig()
-    store: Literal["memory"] = "memory"
+    # "memory" (one process) or a Redis URL (redis://[[user]:password@]host:port/db or
+    # rediss:// for TLS) shared by every replica; see the `redis` section.
+    store: str = "memory"
+    redis: RedisConfig = RedisConfig()
     tenants: list[TenantConfig]
     models: list[ModelConfig]
     backends: list[BackendConfig]
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str) -> str:
+        if value != "memory" and not value.startswith(("redis://", "rediss://")):
+            raise ValueError("must be 'memory' or a redis:// or rediss:// URL")
+        return value
+
+    @property
+    def uses_redis(self) -> bool:
+        return self.store != "memory"
 
     @model_validator(mode="after")
     def _cross_references(self) -> KvgateConfig:

@@ -1,0 +1,112 @@
+"""The kvgate.admin.v1.Admin servicer: the same numbers as /admin/usage, over gRPC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
+from kvgate.config import SnapshotHolder
+from kvgate.extproc.services import GatewayServices
+from kvgate.extproc.usage_report import tenant_usage_report
+from kvgate.reload import ConfigReloader
+
+
+def _period(entry: dict[str, Any]) -> admin_pb2.PeriodUsage:
+    return admin_pb2.PeriodUsage(
+        period=entry["period"],
+        resets_in_seconds=entry["resets_in_s"],
+        requests=entry["requests"],
+        prompt_tokens=entry["prompt_tokens"],
+        cached_prompt_tokens=entry["cached_prompt_tokens"],
+        output_tokens=entry["output_tokens"],
+        cost_usd=entry["cost_usd"],
+        reserved_usd=entry["reserved_usd"],
+        budget_usd=entry.get("budget_usd", ""),
+        remaining_usd=entry.get("remaining_usd", ""),
+        by_model=[
+            admin_pb2.ModelUsage(
+                model=model,
+                requests=totals["requests"],
+                prompt_tokens=totals["prompt_tokens"],
+                cached_prompt_tokens=totals["cached_prompt_tokens"],
+                output_tokens=totals["output_tokens"],
+                cost_usd=totals["cost_usd"],
+            )
+            for model, totals in entry["by_model"].items()
+        ],
+    )
+
+
+def tenant_usage_message(report: dict[str, Any]) -> admin_pb2.TenantUsage:
+    return admin_pb2.TenantUsage(
+        tenant=report["tenant"],
+        today=_period(report["today"]),
+        this_month=_period(report["this_month"]),
+    )
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(
+        self,
+        services: GatewayServices,
+        snapshots: SnapshotHolder,
+        reloader: ConfigReloader | None,
+    ) -> None:
+        self._services = services
+        self._snapshots = snapshots
+        self._reloader = reloader
+
+    async def GetTenantUsage(  # the gRPC method name
+        self, request: admin_pb2.GetTenantUsageRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.TenantUsage:
+        snapshot = self._snapshots.current
+        if request.tenant not in snapshot.tenants:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tenant '{request.tenant}'")
+        report = await tenant_usage_report(self._services, snapshot, request.tenant)
+        return tenant_usage_message(report)
+
+    async def ListTenantUsage(
+        self, request: admin_pb2.ListTenantUsageRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListTenantUsageResponse:
+        snapshot = self._snapshots.current
+        return admin_pb2.ListTenantUsageResponse(
+            tenants=[
+                tenant_usage_message(await tenant_usage_report(self._services, snapshot, name))
+                for name in sorted(snapshot.tenants)
+            ]
+        )
+
+    async def ListBackends(
+        self, request: admin_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListBackendsResponse:
+        status = {s.name: s for s in await self._services.store.backend_status()}
+        backends = []
+        for name, limits in sorted(self._snapshots.current.backends.items()):
+            live = status.get(name)
+            backends.append(
+                admin_pb2.Backend(
+                    name=name,
+                    kv_budget_tokens=limits.kv_budget_tokens,
+                    kv_tokens_in_flight=live.kv_tokens_in_flight if live else 0,
+                    requests_in_flight=live.requests_in_flight if live else 0,
+                    max_concurrent_requests=limits.max_concurrent_requests,
+                )
+            )
+        return admin_pb2.ListBackendsResponse(backends=backends)
+
+    async def Reload(
+        self, request: admin_pb2.ReloadRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ReloadResponse:
+        if self._reloader is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "kvgate was not started from a config file"
+            )
+        assert self._reloader is not None
+        applied = await self._reloader.reload("admin_api")
+        return admin_pb2.ReloadResponse(
+            applied=applied,
+            error=self._reloader.last_error or "",
+            generation=self._reloader.generation,
+        )

@@ -1,0 +1,113 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetTenantUsageRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class ListTenantUsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTenantUsageResponse(_message.Message):
+    __slots__ = ("tenants",)
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+
+class ModelUsage(_message.Message):
+    __slots__ = ("model", "requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "cost_usd")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_USD_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    cost_usd: str
+    def __init__(self, model: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ...) -> None: ...
+
+class PeriodUsage(_message.Message):
+    __slots__ = ("period", "resets_in_seconds", "requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "cost_usd", "reserved_usd", "budget_usd", "remaining_usd", "by_model")
+    PERIOD_FIELD_NUMBER: _ClassVar[int]
+    RESETS_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_USD_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_USD_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_USD_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_USD_FIELD_NUMBER: _ClassVar[int]
+    BY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    period: str
+    resets_in_seconds: int
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    cost_usd: str
+    reserved_usd: str
+    budget_usd: str
+    remaining_usd: str
+    by_model: _containers.RepeatedCompositeFieldContainer[ModelUsage]
+    def __init__(self, period: _Optional[str] = ..., resets_in_seconds: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ..., reserved_usd: _Optional[str] = ..., budget_usd: _Optional[str] = ..., remaining_usd: _Optional[str] = ..., by_model: _Optional[_Iterable[_Union[ModelUsage, _Mapping]]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "today", "this_month")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TODAY_FIELD_NUMBER: _ClassVar[int]
+    THIS_MONTH_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    today: PeriodUsage
+    this_month: PeriodUsage
+    def __init__(self, tenant: _Optional[str] = ..., today: _Optional[_Union[PeriodUsage, _Mapping]] = ..., this_month: _Optional[_Union[PeriodUsage, _Mapping]] = ...) -> None: ...
+
+class ListBackendsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Backend(_message.Message):
+    __slots__ = ("name", "kv_budget_tokens", "kv_tokens_in_flight", "requests_in_flight", "max_concurrent_requests")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kv_budget_tokens: int
+    kv_tokens_in_flight: int
+    requests_in_flight: int
+    max_concurrent_requests: int
+    def __init__(self, name: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., kv_tokens_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ...) -> None: ...
+
+class ListBackendsResponse(_message.Message):
+    __slots__ = ("backends",)
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    backends: _containers.RepeatedCompositeFieldContainer[Backend]
+    def __init__(self, backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("applied", "error", "generation")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    error: str
+    generation: int
+    def __init__(self, applied: _Optional[bool] = ..., error: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,104 @@
+"""``vllm-sim``: run the simulator as a server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from vllm_sim.config import SimConfig
+from vllm_sim.server import create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-sim",
+        description="A vLLM OpenAI-compatible server simulator with KV-cache accounting.",
+    )
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        type=Path,
+        help="Hugging Face model dir (tokenizer.json + tokenizer_config.json)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients use (default: the model dir, as vLLM does)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV cache size in blocks (vLLM's --num-gpu-blocks-override)",
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--ttft-ms", type=float, default=0.0, help="prefill time per admission")
+    p.add_argument("--itl-ms", type=float, default=0.0, help="time between output tokens")
+    p.add_argument(
+        "--default-output-tokens",
+        type=int,
+        default=16,
+        help="tokens a request generates when no x-sim-output-tokens header is set",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--force-include-usage",
+        action="store_true",
+        help="always end streams with the usage chunk (vLLM's --enable-force-include-usage)",
+    )
+    p.add_argument(
+        "--no-eos-token",
+        action="store_true",
+        help="a 'stop' finish shows all its tokens instead of ending on a hidden EOS",
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model_dir=args.model_dir,
+        served_model_name=args.served_model_name or str(args.model_dir),
+        max_model_len=args.max_model_len,
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        default_output_tokens=args.default_output_tokens,
+        max_num_seqs=args.max_num_seqs,
+        force_include_usage=args.force_include_usage,
+        eos_on_stop=not args.no_eos_token,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"vllm-sim: {exc}") from exc
+    app = create_app(config)
+    logging.getLogger("vllm_sim").info(
+        "serving %s from %s on http://%s:%d (KV %d blocks x %d tokens)",
+        config.served_model_name,
+        config.model_dir,
+        args.host,
+        args.port,
+        config.gpu_blocks,
+        config.block_size,
+    )
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

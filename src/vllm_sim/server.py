@@ -1,0 +1,705 @@
+"""The aiohttp application: vLLM's OpenAI-compatible routes plus /sim/* controls.
+
+Test steering headers (all optional):
+
+``x-sim-output-tokens: N``    generate N tokens (capped by max_tokens unless ignored)
+``x-sim-ignore-max-tokens: 1`` generate N even past max_tokens (a backend ignoring it)
+``x-sim-ttft-ms`` / ``x-sim-itl-ms``  per-request latency override
+``x-sim-error: STATUS``       answer STATUS with vLLM's error JSON at once
+``x-sim-stall-after: K``      send K tokens, then hang until the client goes away
+``x-sim-abort-after: K``      send K tokens, then cut the connection (no [DONE])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from vllm_sim import protocol
+from vllm_sim.config import SimConfig
+from vllm_sim.engine import KVEngine, SimRequest
+from vllm_sim.metrics import SimMetrics
+from vllm_sim.tokenization import PromptError, SimTokenizer
+from vllm_sim.validation import (
+    ChatRequest,
+    CommonParams,
+    CompletionRequest,
+    Prompt,
+    RequestError,
+    StreamOpts,
+    check_lengths,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
+
+log = logging.getLogger("vllm_sim")
+
+SIM_KEY = web.AppKey("vllm_sim", "VllmSim")
+DISCONNECT_POLL_S = 0.02
+
+
+def _json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=protocol.dumps(body).encode(), status=status, content_type="application/json"
+    )
+
+
+def _error_response(err: RequestError) -> web.Response:
+    return _json_response(err.body, err.status)
+
+
+@web.middleware
+async def _http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Unknown routes, wrong methods, oversized bodies: vLLM's HTTPException handler
+    answers them in its ErrorResponse shape, with the status phrase as message and type."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = protocol.error_body(exc.reason, exc.reason, exc.status)
+        return _json_response(body, exc.status)
+
+
+async def _uvicorn_server_header(_request: web.Request, response: web.StreamResponse) -> None:
+    # vLLM runs under uvicorn; look the part down to the Server header.
+    response.headers["Server"] = "uvicorn"
+
+
+class DisconnectWatcher:
+    """Cancels generation handlers whose client has gone.
+
+    aiohttp's default (``handler_cancellation=False``) lets a handler run on after its
+    client disconnects until a write fails, which never happens while a request waits
+    for KV or stalls. One task polls every in-flight generation's transport and
+    cancels the orphans, whatever runner serves the app.
+    """
+
+    def __init__(self, interval_s: float = DISCONNECT_POLL_S) -> None:
+        self._interval_s = interval_s
+        self._active: dict[asyncio.Task[Any], web.Request] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def watch(self, request: web.Request, task: asyncio.Task[Any]) -> None:
+        self._active[task] = request
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._run())
+
+    def unwatch(self, task: asyncio.Task[Any]) -> None:
+        self._active.pop(task, None)
+
+    async def _run(self) -> None:
+        while self._active:
+            await asyncio.sleep(self._interval_s)
+            for task, request in list(self._active.items()):
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    del self._active[task]
+                    task.cancel()
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+
+
+@dataclass
+class Steering:
+    """A request's x-sim-* headers, parsed (latencies default to the server's)."""
+
+    output_tokens: int | None = None
+    ignore_max_tokens: bool = False
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
+    error_status: int | None = None
+    stall_after: int | None = None
+    abort_after: int | None = None
+
+    @classmethod
+    def from_headers(cls, headers: Any, config: SimConfig) -> Steering:
+        def number(name: str) -> float | None:
+            raw = headers.get(name)
+            if raw is None or raw.strip() == "":
+                return None
+            try:
+                value = float(raw)
+            except ValueError as exc:
+                raise RequestError.bad_request(f"invalid {name} header: {raw!r}") from exc
+            if not math.isfinite(value) or value < 0:
+                raise RequestError.bad_request(f"invalid {name} header: {raw!r}")
+            return value
+
+        def count(name: str) -> int | None:
+            value = number(name)
+            return None if value is None else int(value)
+
+        ttft = number("x-sim-ttft-ms")
+        itl = number("x-sim-itl-ms")
+        error_status = count("x-sim-error")
+        if error_status is not None and not 400 <= error_status <= 599:
+            raise RequestError.bad_request(f"x-sim-error must be 400..599, got {error_status}")
+        return cls(
+            output_tokens=count("x-sim-output-tokens"),
+            ignore_max_tokens=headers.get("x-sim-ignore-max-tokens", "").strip().lower()
+            in ("1", "true", "yes"),
+            ttft_s=(config.ttft_ms if ttft is None else ttft) / 1000.0,
+            itl_s=(config.itl_ms if itl is None else itl) / 1000.0,
+            error_status=error_status,
+            stall_after=count("x-sim-stall-after"),
+            abort_after=count("x-sim-abort-after"),
+        )
+
+
+def plan_output(
+    *,
+    prompt_len: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    default_output_tokens: int,
+    steering: Steering,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
+) -> tuple[int, str]:
+    """How many tokens to generate and why generation stops.
+
+    The cap is vLLM's ``min(max_tokens, max_model_len - prompt)``. Without a header the
+    "model" wants ``default_output_tokens``; with ``x-sim-output-tokens`` it wants that
+    many. It finishes with "length" when the cap cuts it, else "stop" (on EOS).
+    ``x-sim-ignore-max-tokens`` drops max_tokens from the cap; the context length still
+    binds. ``ignore_eos`` (benchmarks use it) runs to the cap; ``min_tokens`` raises
+    what the model wants.
+    """
+    model_cap = max_model_len - prompt_len
+    cap = model_cap
+    if max_tokens is not None and not steering.ignore_max_tokens:
+        cap = min(cap, max_tokens)
+    wanted = steering.output_tokens if steering.output_tokens is not None else default_output_tokens
+    wanted = max(wanted, min_tokens, 1)  # an engine always samples at least one token
+    if ignore_eos or wanted >= cap:
+        return cap, "length"
+    return wanted, "stop"
+
+
+class VllmSim:
+    """The simulator: tokenizer, KV engine, metrics and the HTTP handlers."""
+
+    def __init__(self, config: SimConfig, tokenizer: SimTokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or SimTokenizer(config.model_dir)
+        self.max_model_len = config.effective_max_model_len
+        self.engine = KVEngine(
+            num_gpu_blocks=config.gpu_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            served_history=config.served_history,
+        )
+        self.metrics = SimMetrics(config, self.engine)
+        self.engine.listener = self.metrics
+        # One worker, like vLLM's tokenizer executor: HF tokenizers dislike
+        # concurrent use of one instance.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-sim-tok")
+        self._watcher = DisconnectWatcher()
+        if self.max_model_len < config.max_model_len:
+            log.warning(
+                "KV capacity %d tokens < max_model_len %d: serving max_model_len=%d",
+                config.kv_capacity_tokens,
+                config.max_model_len,
+                self.max_model_len,
+            )
+
+    # --- plumbing ------------------------------------------------------------------
+
+    def create_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_http_errors])
+        app.on_response_prepare.append(_uvicorn_server_header)
+        app[SIM_KEY] = self
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/sim/stats", self.sim_stats)
+        app.router.add_post("/sim/reset", self.sim_reset)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _cleanup(self, _app: web.Application) -> None:
+        await self._watcher.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _check_model(self, common: CommonParams) -> None:
+        # vLLM: a missing/empty model means the served one.
+        if common.model and common.model != self.config.served_model_name:
+            raise RequestError.not_found(f"The model `{common.model}` does not exist.")
+
+    # --- simple routes ---------------------------------------------------------------
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, _request: web.Request) -> web.Response:
+        return _json_response(protocol.version())
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return _json_response(
+            protocol.model_list(
+                self.config.served_model_name, str(self.config.model_dir), self.max_model_len
+            )
+        )
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render(request.headers.get("Accept", ""))
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    async def sim_stats(self, _request: web.Request) -> web.Response:
+        snap = self.engine.snapshot()
+        snap["config"] = {
+            "served_model_name": self.config.served_model_name,
+            "max_model_len": self.max_model_len,
+            "num_gpu_blocks": self.config.gpu_blocks,
+            "block_size": self.config.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
+        }
+        return _json_response(snap)
+
+    async def sim_reset(self, _request: web.Request) -> web.Response:
+        self.engine.reset_stats()
+        self.metrics = SimMetrics(self.config, self.engine)
+        self.engine.listener = self.metrics
+        return _json_response({"ok": True})
+
+    # --- generation routes --------------------------------------------------------------
+
+    async def _read(self, request: web.Request) -> tuple[dict[str, Any], Steering]:
+        steering = Steering.from_headers(request.headers, self.config)
+        if steering.error_status is not None:
+            status = steering.error_status
+            raise RequestError(
+                status,
+                protocol.error_body(
+                    f"Simulated error (x-sim-error: {status})",
+                    protocol.error_type_for(status),
+                    status,
+                ),
+            )
+        raw = await request.read()
+        body = parse_json_body(raw, request.headers.get("Content-Type", ""))
+        return body, steering
+
+    def _base_id(self, request: web.Request, common: CommonParams) -> str:
+        # vLLM: X-Request-Id header, else the body's request_id, else a fresh uuid.
+        return request.headers.get("X-Request-Id") or common.request_id or protocol.random_uuid()
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body, steering = await self._read(request)
+            chat = parse_chat(body)
+            self._check_model(chat.common)
+            prompt_ids = await self._tokenize_chat(chat)
+        except RequestError as err:
+            return _error_response(err)
+        # vLLM answers as "assistant" unless the client continues its own last turn.
+        role = (
+            chat.messages[-1]["role"]
+            if chat.messages and not chat.add_generation_prompt
+            else "assistant"
+        )
+        fmt = protocol.ChatFormatter(
+            f"chatcmpl-{self._base_id(request, chat.common)}",
+            self.config.served_model_name,
+            role=role,
+            return_token_ids=chat.common.return_token_ids,
+        )
+        return await self._serve(request, "chat", chat.common, steering, [prompt_ids], fmt)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body, steering = await self._read(request)
+            comp = parse_completion(body)
+            self._check_model(comp.common)
+            prompts: list[list[int]] = []
+            echoes: list[str] = []
+            for prompt in comp.prompts:
+                ids, text = await self._tokenize_prompt(comp, prompt)
+                prompts.append(ids)
+                echoes.append(text)
+        except RequestError as err:
+            return _error_response(err)
+        fmt = protocol.CompletionFormatter(
+            f"cmpl-{self._base_id(request, comp.common)}",
+            self.config.served_model_name,
+            return_token_ids=comp.common.return_token_ids,
+        )
+        return await self._serve(
+            request,
+            "completion",
+            comp.common,
+            steering,
+            prompts,
+            fmt,
+            echoes=echoes if comp.echo else None,
+        )
+
+    async def _tokenize_chat(self, chat: ChatRequest) -> list[int]:
+        def work() -> list[int]:
+            return self.tokenizer.encode_chat(
+                chat.messages,
+                tools=chat.tools,
+                documents=chat.documents,
+                chat_template=chat.chat_template,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                chat_template_kwargs=chat.chat_template_kwargs,
+                add_special_tokens=chat.add_special_tokens,
+            )
+
+        try:
+            ids: list[int] = await self._off_loop(work)
+        except PromptError as exc:
+            # vLLM formats preprocessing failures as f"{e} {e.__cause__}".
+            raise RequestError.bad_request(f"{exc} {exc.__cause__}") from exc
+        check_lengths(len(ids), chat.common.max_tokens, self.max_model_len)
+        return ids
+
+    async def _tokenize_prompt(
+        self, comp: CompletionRequest, prompt: Prompt
+    ) -> tuple[list[int], str]:
+        """Token ids (a token-id prompt counts as-is) and the text echo would show."""
+        if prompt.ids is not None:
+            ids = prompt.ids
+            text: str = await self._off_loop(self.tokenizer.decode, ids) if comp.echo else ""
+        else:
+            text = prompt.text or ""
+            ids = await self._off_loop(
+                lambda: self.tokenizer.encode(text, add_special_tokens=comp.add_special_tokens)
+            )
+        check_lengths(len(ids), comp.common.max_tokens, self.max_model_len)
+        if not ids:
+            raise RequestError.bad_request("The decoder prompt cannot be empty")
+        return ids, text
+
+    # --- the generation loop ----------------------------------------------------------------
+
+    def _usage_flags(self, common: CommonParams) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage), as vLLM's ``should_include_usage``."""
+        opts: StreamOpts | None = common.stream_options
+        if opts is not None:
+            include = opts.include_usage or self.config.force_include_usage
+            return include, include and opts.continuous_usage_stats
+        return self.config.force_include_usage, False
+
+    def _new_choice(
+        self,
+        index: int,
+        prompt_ids: list[int],
+        common: CommonParams,
+        steering: Steering,
+        request_id: str,
+        endpoint: str,
+        echo: str | None,
+    ) -> _Choice:
+        n_out, finish_reason = plan_output(
+            prompt_len=len(prompt_ids),
+            max_tokens=common.max_tokens,
+            max_model_len=self.max_model_len,
+            default_output_tokens=self.config.default_output_tokens,
+            steering=steering,
+            ignore_eos=common.ignore_eos,
+            min_tokens=common.min_tokens,
+        )
+        req = SimRequest(
+            request_id=request_id,
+            prompt_tokens=len(prompt_ids),
+            target_tokens=n_out,
+            finish_reason=finish_reason,
+            endpoint=endpoint,
+            stream=common.stream,
+            max_tokens=common.max_tokens,
+        )
+        eos = self.tokenizer.eos_token_id if self.config.eos_on_stop else None
+        return _Choice(
+            index=index,
+            prompt_ids=prompt_ids,
+            req=req,
+            eos_id=eos if finish_reason == "stop" else None,
+            echo=echo,
+        )
+
+    def _token(self, choice: _Choice, i: int) -> tuple[int, str]:
+        # The last token of a "stop" finish is EOS: counted, never shown.
+        if choice.eos_id is not None and i == choice.req.target_tokens - 1:
+            return choice.eos_id, ""
+        return self.tokenizer.output_token(i)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        endpoint: str,
+        common: CommonParams,
+        steering: Steering,
+        prompts: list[list[int]],
+        fmt: protocol.ChatFormatter | protocol.CompletionFormatter,
+        *,
+        echoes: list[str] | None = None,
+    ) -> web.StreamResponse:
+        # One engine sequence per (prompt, n) pair, as vLLM fans n out into child
+        # requests; choice index = prompt_index * n + k.
+        many = len(prompts) * common.n > 1
+        choices: list[_Choice] = []
+        for p_idx, prompt_ids in enumerate(prompts):
+            for _ in range(common.n):
+                index = len(choices)
+                choices.append(
+                    self._new_choice(
+                        index,
+                        prompt_ids,
+                        common,
+                        steering,
+                        f"{fmt.request_id}-{index}" if many else fmt.request_id,
+                        endpoint,
+                        echoes[p_idx] if echoes is not None else None,
+                    )
+                )
+        for choice in choices:
+            self.engine.submit(choice.req)
+
+        feed = _Feed(choices)
+        pumps = [asyncio.create_task(self._pump(c, feed, steering)) for c in choices]
+        task = asyncio.current_task()
+        assert task is not None
+        self._watcher.watch(request, task)
+        try:
+            if common.stream:
+                return await self._stream(request, common, steering, prompts, choices, feed, fmt)
+            return await self._unary(request, steering, prompts, choices, feed, fmt)
+        except ConnectionError:
+            # The client went away mid-write. Answering with a throwaway response lets
+            # aiohttp finish quietly instead of logging a handler error.
+            return web.Response(status=499)
+        finally:
+            self._watcher.unwatch(task)
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            # Disconnect (cancellation), failed write, stall or cut: whatever ended
+            # the request early, release its KV; what was sent stays recorded.
+            for choice in choices:
+                if choice.req.final_reason is None:
+                    self.engine.abort(choice.req)
+
+    async def _pump(self, choice: _Choice, feed: _Feed, steering: Steering) -> None:
+        req = choice.req
+        gen = self.engine.generate(req, ttft_s=steering.ttft_s, itl_s=steering.itl_s)
+        try:
+            while req.generated < req.target_tokens:
+                await choice.demand.acquire()
+                try:
+                    i = await anext(gen)
+                except StopAsyncIteration:
+                    break
+                feed.queue.put_nowait((choice, i))
+        finally:
+            await gen.aclose()
+        # The last token is out of the engine: free the KV now, as vLLM does, even
+        # though the writer may still be sending (or stalling on) it.
+        self.engine.finish(req)
+        feed.queue.put_nowait((choice, None))
+
+    @staticmethod
+    async def _stall_forever() -> None:
+        await asyncio.Event().wait()
+
+    def _cut_connection(self, request: web.Request, choices: list[_Choice]) -> None:
+        for choice in choices:
+            self.engine.abort(choice.req)
+        if request.transport is not None:
+            request.transport.close()
+
+    async def _steer(
+        self, request: web.Request, steering: Steering, choices: list[_Choice]
+    ) -> bool:
+        """Apply stall/abort-after before the next token; True if the connection was cut."""
+        sent = sum(c.req.sent for c in choices)
+        if steering.stall_after is not None and sent >= steering.stall_after:
+            await self._stall_forever()
+        if steering.abort_after is not None and sent >= steering.abort_after:
+            self._cut_connection(request, choices)
+            return True
+        return False
+
+    async def _stream(
+        self,
+        request: web.Request,
+        common: CommonParams,
+        steering: Steering,
+        prompts: list[list[int]],
+        choices: list[_Choice],
+        feed: _Feed,
+        fmt: protocol.ChatFormatter | protocol.CompletionFormatter,
+    ) -> web.StreamResponse:
+        include_usage, continuous = self._usage_flags(common)
+        resp = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
+        resp.enable_chunked_encoding()
+        # Headers go out at once, as Starlette's StreamingResponse does; the body
+        # starts with the first generated token.
+        await resp.prepare(request)
+        chat = isinstance(fmt, protocol.ChatFormatter)
+
+        def usage_now(choice: _Choice, done: int) -> dict[str, Any] | None:
+            if not continuous:
+                return None
+            # Chat chunks drop unset fields; completion chunks dump them all.
+            return protocol.usage(len(choice.prompt_ids), done, details=not chat)
+
+        role_sent = False
+        remaining = len(choices)
+        while remaining:
+            if await self._steer(request, steering, choices):
+                return resp
+            choice, i = await feed.next()
+            if i is None:
+                remaining -= 1
+                continue
+            token_id, text = self._token(choice, i)
+            done = i + 1
+            finish = choice.req.finish_reason if done == choice.req.target_tokens else None
+            if isinstance(fmt, protocol.ChatFormatter):
+                if not role_sent:
+                    # vLLM sends every choice's role chunk on the first engine output.
+                    for c in choices:
+                        chunk = fmt.role_chunk(c.index, c.prompt_ids, usage_now(c, 0))
+                        await resp.write(protocol.sse(chunk))
+                    role_sent = True
+                chunk = fmt.token_chunk(
+                    choice.index, text, token_id, finish, usage_now(choice, done)
+                )
+            else:
+                first = i == 0
+                if first and choice.echo is not None:
+                    text = choice.echo + text
+                chunk = fmt.token_chunk(
+                    choice.index,
+                    text,
+                    [token_id],
+                    finish,
+                    usage_now(choice, done),
+                    choice.prompt_ids if first else None,
+                )
+            await resp.write(protocol.sse(chunk))
+            choice.req.sent = done
+        if include_usage:
+            prompt_tokens = len(prompts[0]) if chat else sum(len(p) for p in prompts)
+            completion = sum(c.req.generated for c in choices)
+            await resp.write(protocol.sse(fmt.usage_chunk(prompt_tokens, completion)))
+        await resp.write(protocol.SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _unary(
+        self,
+        request: web.Request,
+        steering: Steering,
+        prompts: list[list[int]],
+        choices: list[_Choice],
+        feed: _Feed,
+        fmt: protocol.ChatFormatter | protocol.CompletionFormatter,
+    ) -> web.StreamResponse:
+        remaining = len(choices)
+        produced = 0
+        while remaining:
+            # Stall/abort-after count produced tokens: nothing reaches the client
+            # before the whole body does.
+            if steering.stall_after is not None and produced >= steering.stall_after:
+                await self._stall_forever()
+            if steering.abort_after is not None and produced >= steering.abort_after:
+                self._cut_connection(request, choices)
+                return web.Response(status=500)  # never reaches the client
+            choice, i = await feed.next()
+            if i is None:
+                remaining -= 1
+                continue
+            token_id, text = self._token(choice, i)
+            choice.output_ids.append(token_id)
+            choice.texts.append(text)
+            produced += 1
+        outputs = [
+            protocol.ChoiceOutput(
+                index=c.index,
+                text=(c.echo or "") + "".join(c.texts),
+                finish_reason=c.req.finish_reason,
+                token_ids=c.output_ids,
+                prompt_ids=c.prompt_ids,
+            )
+            for c in choices
+        ]
+        if isinstance(fmt, protocol.ChatFormatter):
+            body = fmt.response(prompts[0], outputs)
+        else:
+            body = fmt.response(sum(len(p) for p in prompts), outputs)
+        for c in choices:
+            c.req.sent = len(c.output_ids)
+        return _json_response(body)
+
+
+@dataclass(eq=False)
+class _Choice:
+    """One choice of a response, backed by one engine sequence."""
+
+    index: int
+    prompt_ids: list[int]
+    req: SimRequest
+    eos_id: int | None
+    echo: str | None
+    output_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    # Credits to generate the next token (see _Feed).
+    demand: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
+
+
+class _Feed:
+    """Tokens from every choice's engine sequence, handed over one at a time.
+
+    A choice may generate its next token only once the writer has taken its previous
+    one and passed the stall/abort checks, so ``x-sim-stall-after: K`` freezes
+    generation at exactly K tokens (the KV stays held, as in a hung engine).
+    """
+
+    def __init__(self, choices: list[_Choice]) -> None:
+        self.queue: asyncio.Queue[tuple[_Choice, int | None]] = asyncio.Queue()
+        self._owed = list(choices)
+
+    async def next(self) -> tuple[_Choice, int | None]:
+        for choice in self._owed:
+            choice.demand.release()
+        self._owed.clear()
+        choice, i = await self.queue.get()
+        if i is not None:
+            self._owed.append(choice)
+        return choice, i
+
+
+def create_app(config: SimConfig, tokenizer: SimTokenizer | None = None) -> web.Application:
+    """Build the simulator's aiohttp application (tokenizer loaded here, synchronously)."""
+    return VllmSim(config, tokenizer).create_app()
+
+
+def get_sim(app: web.Application) -> VllmSim:
+    return app[SIM_KEY]

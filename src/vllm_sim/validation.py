@@ -1,0 +1,335 @@
+"""Request parsing with vLLM's error statuses and shapes.
+
+vLLM rejects a request in one of two ways:
+
+* FastAPI/pydantic validation (bad JSON, wrong types, model validators) -> 400 with
+  ``type: "Bad Request"`` and the stringified error list as the message;
+* the serving layer (unknown model, too long, bad sampling params) -> 400
+  ``BadRequestError`` or 404 ``NotFoundError``.
+
+The pydantic messages are reproduced for the common cases only; their exact wording
+depends on the FastAPI/pydantic versions vLLM is installed with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_sim import protocol
+
+
+class RequestError(Exception):
+    """A request vLLM would refuse; carries the exact status and body."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body["error"]["message"])
+        self.status = status
+        self.body = body
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None) -> RequestError:
+        return cls(400, protocol.error_body(message, "BadRequestError", 400, param))
+
+    @classmethod
+    def not_found(cls, message: str) -> RequestError:
+        return cls(404, protocol.error_body(message, "NotFoundError", 404))
+
+    @classmethod
+    def validation(cls, errors: list[Any]) -> RequestError:
+        return cls(400, protocol.request_validation_error(errors))
+
+
+def _loc(*parts: Any) -> tuple[Any, ...]:
+    return ("body", *parts)
+
+
+def _type_error(kind: str, msg: str, loc: tuple[Any, ...], value: Any) -> RequestError:
+    return RequestError.validation([{"type": kind, "loc": loc, "msg": msg, "input": value}])
+
+
+def _value_error(message: str, body: Any) -> RequestError:
+    return RequestError.validation(
+        [
+            {
+                "type": "value_error",
+                "loc": ("body",),
+                "msg": f"Value error, {message}",
+                "input": body,
+                "ctx": {"error": ValueError(message)},
+            }
+        ]
+    )
+
+
+def parse_json_body(raw: bytes, content_type: str) -> dict[str, Any]:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise RequestError.validation(
+            ["Unsupported Media Type: Only 'application/json' is allowed"]
+        )
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        pos = getattr(exc, "pos", 0)
+        reason = getattr(exc, "msg", str(exc))
+        raise RequestError.validation(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": reason},
+                }
+            ]
+        ) from exc
+    if not isinstance(body, dict):
+        raise _type_error(
+            "model_attributes_type",
+            "Input should be a valid dictionary or object to extract fields from",
+            ("body",),
+            body,
+        )
+    return body
+
+
+def _opt_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise _type_error("string_type", "Input should be a valid string", _loc(key), value)
+
+
+def _opt_int(body: dict[str, Any], key: str, default: int | None = None) -> int | None:
+    if key not in body or body[key] is None:
+        return default if key not in body else None
+    value = body[key]
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, float):
+        kind, msg = "int_from_float", "got a number with a fractional part"
+    elif isinstance(value, str):
+        kind, msg = "int_parsing", "unable to parse string as an integer"
+    else:
+        kind, msg = "int_type", ""
+    msg = "Input should be a valid integer" + (f", {msg}" if msg else "")
+    raise _type_error(kind, msg, _loc(key), value)
+
+
+def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise _type_error("bool_parsing", "Input should be a valid boolean", _loc(key), value)
+
+
+@dataclass
+class StreamOpts:
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> StreamOpts | None:
+    raw = body.get("stream_options")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _type_error(
+            "model_type",
+            "Input should be a valid dictionary or instance of StreamOptions",
+            _loc("stream_options"),
+            raw,
+        )
+    # vLLM's model validator: any truthy stream_options without stream=True is refused.
+    if not stream:
+        raise _value_error("Stream options can only be defined when `stream=True`.", body)
+    include = raw.get("include_usage", True)
+    continuous = raw.get("continuous_usage_stats", False)
+    return StreamOpts(
+        include_usage=bool(include) if include is not None else False,
+        continuous_usage_stats=bool(continuous) if continuous is not None else False,
+    )
+
+
+@dataclass
+class CommonParams:
+    model: str | None
+    stream: bool
+    stream_options: StreamOpts | None
+    max_tokens: int | None
+    request_id: str | None
+    return_token_ids: bool
+    n: int
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+def _common(body: dict[str, Any], *, max_tokens: int | None) -> CommonParams:
+    stream = _opt_bool(body, "stream", False)
+    n = _opt_int(body, "n", 1)
+    n = 1 if n is None else n
+    if n < 1:
+        raise RequestError.bad_request(f"n must be at least 1, got {n}.")
+    request_id = _opt_str(body, "request_id")
+    return CommonParams(
+        model=_opt_str(body, "model"),
+        stream=stream,
+        stream_options=_stream_options(body, stream),
+        max_tokens=max_tokens,
+        request_id=request_id,
+        return_token_ids=_opt_bool(body, "return_token_ids", False),
+        n=n,
+        ignore_eos=_opt_bool(body, "ignore_eos", False),
+        min_tokens=_opt_int(body, "min_tokens", 0) or 0,
+    )
+
+
+@dataclass
+class ChatRequest:
+    common: CommonParams
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    documents: Any = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    if "messages" not in body:
+        raise _type_error("missing", "Field required", _loc("messages"), body)
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise _type_error("list_type", "Input should be a valid list", _loc("messages"), messages)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _type_error(
+                "model_type", "Input should be a valid dictionary", _loc("messages", i), message
+            )
+        if not isinstance(message.get("role"), str):
+            raise _type_error("missing", "Field required", _loc("messages", i, "role"), message)
+
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _type_error("list_type", "Input should be a valid list", _loc("tools"), tools)
+    tool_choice = body.get("tool_choice", "auto" if tools else "none")
+    if tool_choice not in (None, "none") and tools is None:
+        raise _value_error("When using `tool_choice`, `tools` must be set.", body)
+
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _type_error(
+            "dict_type", "Input should be a valid dictionary", _loc("chat_template_kwargs"), kwargs
+        )
+    add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
+    continue_final_message = _opt_bool(body, "continue_final_message", False)
+    if add_generation_prompt and continue_final_message:
+        raise _value_error(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", body
+        )
+    # OpenAI's newer name wins; vLLM uses `max_completion_tokens or max_tokens`.
+    max_tokens = _opt_int(body, "max_completion_tokens") or _opt_int(body, "max_tokens")
+    return ChatRequest(
+        common=_common(body, max_tokens=max_tokens),
+        messages=messages,
+        tools=tools,
+        documents=body.get("documents"),
+        chat_template=_opt_str(body, "chat_template"),
+        chat_template_kwargs=kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        add_special_tokens=_opt_bool(body, "add_special_tokens", False),
+    )
+
+
+@dataclass
+class Prompt:
+    """One prompt of a completion request: text to tokenize, or token ids as-is."""
+
+    text: str | None = None
+    ids: list[int] | None = None
+
+
+@dataclass
+class CompletionRequest:
+    common: CommonParams
+    prompts: list[Prompt]
+    echo: bool = False
+    add_special_tokens: bool = True
+
+
+def _is_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _prompts(prompt: Any) -> list[Prompt]:
+    """vLLM's forms: str, list[str], list[int], list[list[int]]."""
+    if isinstance(prompt, str):
+        return [Prompt(text=prompt)]
+    if _is_ids(prompt):
+        return [Prompt(ids=list(prompt))]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [Prompt(text=p) for p in prompt]
+        if all(_is_ids(p) for p in prompt):
+            return [Prompt(ids=list(p)) for p in prompt]
+    raise _type_error("string_type", "Input should be a valid string", _loc("prompt"), prompt)
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    if body.get("prompt") is None and body.get("prompt_embeds") is None:
+        raise _value_error("At least one of `prompt` or `prompt_embeds` must be set.", body)
+    if body.get("prompt_embeds") is not None:
+        raise RequestError.bad_request("vllm-sim does not support prompt_embeds")
+    prompts = _prompts(body["prompt"])
+    common = _common(body, max_tokens=_opt_int(body, "max_tokens", 16))
+    if body.get("suffix") is not None:
+        raise RequestError.bad_request("suffix is not currently supported")
+    return CompletionRequest(
+        common=common,
+        prompts=prompts,
+        echo=_opt_bool(body, "echo", False),
+        add_special_tokens=_opt_bool(body, "add_special_tokens", True),
+    )
+
+
+def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's ``_validate_input`` then ``SamplingParams`` checks, same messages."""
+    if prompt_len >= max_model_len:
+        raise RequestError.bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your request has {prompt_len} input tokens. Please reduce the length of "
+            "the input messages."
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise RequestError.bad_request(
+            "'max_tokens' or 'max_completion_tokens' is too large: "
+            f"{max_tokens}. This model's maximum context length is {max_model_len} tokens "
+            f"and your request has {prompt_len} input tokens ({max_tokens} > "
+            f"{max_model_len} - {prompt_len})."
+        )
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError.bad_request(f"max_tokens must be at least 1, got {max_tokens}.")
