@@ -115,14 +115,16 @@ class RedisServer:
 class RedisStack(Stack):
     """Two kvgate replicas sharing one private Redis, behind one Envoy.
 
-    `redis_config` is merged into kvgate's `redis:` section (both replicas). Replica 1 is the
-    base stack's `kvgate` (ports `grpc_port`, `kvgate_http_port`); replica 2 is `kvgate2`.
+    `redis_config` is merged into kvgate's `redis:` section (both replicas), `redis_config2`
+    on top of it for replica 2 only. Replica 1 is the base stack's `kvgate` (ports `grpc_port`,
+    `kvgate_http_port`); replica 2 is `kvgate2`.
     """
 
     def __init__(
         self,
         *,
         redis_config: Mapping[str, Any] | None = None,
+        redis_config2: Mapping[str, Any] | None = None,
         persistent_redis: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -133,6 +135,7 @@ class RedisStack(Stack):
             "timeout_s": 0.3,
             **dict(redis_config or {}),
         }
+        self.redis_config2 = dict(redis_config2 or {})
         self.grpc_port2 = free_port()
         self.kvgate_http_port2 = free_port()
         self.kvgate2_config_path = self.work_dir / "kvgate2.yaml"
@@ -149,6 +152,7 @@ class RedisStack(Stack):
         config = copy.deepcopy(self.kvgate_config())
         config["server"]["grpc_listen"] = f"127.0.0.1:{self.grpc_port2}"
         config["server"]["http_listen"] = f"127.0.0.1:{self.kvgate_http_port2}"
+        config["redis"] = {**config["redis"], **self.redis_config2}
         if "admin_listen" in config["server"]:
             config["server"]["admin_listen"] = "127.0.0.1:0"  # any free port
         return config
@@ -230,17 +234,23 @@ class RedisStack(Stack):
         assert self.kvgate2 is not None
         self.kvgate2.kill()
 
-    def replica_metrics(self) -> list[MetricSamples]:
-        """One scrape per live replica."""
-        out = []
-        for port, proc in (
-            (self.kvgate_http_port, self.kvgate),
-            (self.kvgate_http_port2, self.kvgate2),
-        ):
-            if proc is not None and proc.running:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                    out.append(MetricSamples(r.read().decode()))
-        return out
+    def replica_metrics(self, replica: int) -> MetricSamples:
+        """One scrape of replica 1 or 2."""
+        port = self.kvgate_http_port if replica == 1 else self.kvgate_http_port2
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return MetricSamples(resp.read().decode())
+
+    def ledger(self, tenant: str) -> dict[str, int]:
+        """The tenant's all-time ledger, read from Redis (what every replica sees)."""
+        tag = "{" + str(self.redis_config["key_prefix"]) + "}"
+        totals = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0}
+        names = {"req": "requests", "pt": "prompt_tokens", "ot": "output_tokens"}
+        with self.redis.client() as client:
+            for field, value in client.hgetall(f"{tag}:tot").items():
+                name, _, kind = field.decode().rpartition("|")
+                if name.split("|")[0] == tenant and kind in names:
+                    totals[names[kind]] += int(value)
+        return totals
 
     def stop(self) -> None:
         if self.kvgate2 is not None:

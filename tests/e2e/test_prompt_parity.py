@@ -122,11 +122,11 @@ def test_completions_prompt_counts_match_the_engine(stack: Stack, counter: Promp
 
 
 def test_request_chat_template_is_counted_or_refused(stack: Stack) -> None:
-    """KNOWN BUG (fails): vLLM (and the simulator) render a chat request with the request's
-    own `chat_template` when it carries one; kvgate ignores the field and counts with the
-    model's template. A template that repeats the conversation makes the engine's prompt
-    many times what kvgate reserved, so a tiny request can take the whole KV cache past the
-    admission check. kvgate must count with that template or refuse the field (400)."""
+    """vLLM (and the simulator) render a chat request with the request's own `chat_template`
+    when it carries one. A template that repeats the conversation makes the engine's prompt
+    many times what the model's template gives, so a tiny request could take the whole KV
+    cache past admission. kvgate must count with that template or refuse the field (400);
+    it refuses."""
     repeat = (
         "{% for _ in range(50) %}{% for m in messages %}{{ m['content'] }}{% endfor %}{% endfor %}"
     )

@@ -506,6 +506,33 @@ def request_kind(path: str) -> RequestKind | None:
     return _ROUTES.get(path.partition("?")[0])
 
 
+# vLLM extension fields that change how the prompt is rendered in ways kvgate does not
+# reproduce. Accepting them would let a request be counted with one template and run with
+# another, i.e. slip past the KV and token budgets, so they are refused outright.
+_UNCOUNTABLE_CHAT_FIELDS = {
+    "chat_template": "a per-request chat template",
+    "documents": "documents rendered by the chat template",
+    "mm_processor_kwargs": "multimodal processor arguments",
+}
+
+
+def _refuse_uncountable_chat_fields(obj: dict[str, Any]) -> None:
+    for name, what in _UNCOUNTABLE_CHAT_FIELDS.items():
+        if obj.get(name) is not None:
+            raise invalid_request(
+                f"'{name}' is not supported by this gateway: it cannot count the tokens of "
+                f"{what}.",
+                name,
+                "unsupported_parameter",
+            )
+    if obj.get("add_special_tokens") not in (None, False):
+        raise invalid_request(
+            "'add_special_tokens' is not supported on chat requests by this gateway.",
+            "add_special_tokens",
+            "unsupported_parameter",
+        )
+
+
 def parse_request(path: str, body: bytes) -> ParsedRequest:
     """Parse and validate a body for ``/v1/chat/completions`` or ``/v1/completions``.
 
@@ -535,6 +562,7 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         messages = _messages(obj)
         tools_raw = obj.get("tools")
         tools = None if tools_raw is None else _list_of_objects(tools_raw, "tools")
+        _refuse_uncountable_chat_fields(obj)
         add_generation_prompt = _opt_bool(obj, "add_generation_prompt", True)
         continue_final_message = _opt_bool(obj, "continue_final_message", False)
         if add_generation_prompt and continue_final_message:
