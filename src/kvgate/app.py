@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvgate.admin.service import AdminService
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
+from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.usage_report import tenant_usage_report
@@ -65,12 +66,14 @@ class KvgateServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
+        self.capacity = CapacityRegistry()
         self.services = GatewayServices(
             snapshots=self.snapshots,
             store=self.store,
             tokenizers=self.tokenizers,
             metrics=self.metrics,
             clock=self.clock,
+            capacity=self.capacity,
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -103,6 +106,7 @@ class KvgateServer:
             sentinel_nodes=tuple((host, int(port)) for host, _, port in nodes),
             sentinel_password=sentinel.password if sentinel else None,
             max_connections=redis_cfg.max_connections,
+            settled_id_retention_s=redis_cfg.settled_id_retention_s,
         )
         shared = RedisStore.from_settings(
             settings, lease_ttl_s=config.server.lease_ttl_s, on_lease_expired=self._lease_expired
@@ -159,6 +163,7 @@ class KvgateServer:
 
     async def start(self) -> None:
         server_cfg = self.config.server
+        await self.capacity.sync(self.config)
         for backend in self.snapshots.current.backends.values():
             self.metrics.kv_budget_tokens.labels(backend.name).set(backend.kv_budget_tokens)
             self.metrics.kv_tokens_in_flight.labels(backend.name).set(0)
@@ -184,6 +189,8 @@ class KvgateServer:
         if isinstance(self.store, FallbackStore):
             # Redis down at start-up is not fatal: the failure policy applies until it answers.
             await self._set_store_health(await self.store.check())
+        else:
+            self.metrics.store_up.set(1)  # the memory store is always there
         self.grpc_port = self._grpc.add_insecure_port(server_cfg.grpc_listen)
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {server_cfg.grpc_listen} (gRPC)")
@@ -206,6 +213,7 @@ class KvgateServer:
                 snapshots=self.snapshots,
                 tokenizers=self.tokenizers,
                 metrics=self.metrics,
+                on_applied=self.capacity.sync,
             )
             self.reloader.start_watching()
         await self._start_admin(options)
@@ -246,6 +254,7 @@ class KvgateServer:
         await self.services.drain(timeout_s=10.0)
         if self._http is not None:
             await self._http.cleanup()
+        await self.capacity.close()
         await self.store.close()
         self.tokenizers.close()
         log.info("kvgate stopped")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvgate.config import ConfigError, KvgateConfig, SnapshotHolder, compile_snapshot, load_config
@@ -41,7 +42,9 @@ class ConfigReloader:
         tokenizers: TokenizerService,
         metrics: Metrics,
         poll_interval_s: float = 2.0,
+        on_applied: Callable[[KvgateConfig], Awaitable[None]] | None = None,
     ) -> None:
+        self._on_applied = on_applied
         self._path = path
         self._snapshots = snapshots
         self._tokenizers = tokenizers
@@ -85,6 +88,11 @@ class ConfigReloader:
                 )
                 return False
             self._snapshots.swap(snapshot)
+            if self._on_applied is not None:
+                try:
+                    await self._on_applied(config)
+                except Exception:
+                    log.exception("applying the reloaded config to live services failed")
             for model in old.models:
                 if model.name not in snapshot.models:
                     self._tokenizers.unregister(model.name)

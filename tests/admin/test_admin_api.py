@@ -100,10 +100,12 @@ async def test_admin_api_usage_backends_reload_and_reflection(tmp_path: Path) ->
         assert reloaded.applied and reloaded.generation == 2
 
         # Server reflection: what grpcurl uses to list and describe services.
-        sync_channel = grpc.insecure_channel(f"127.0.0.1:{server.admin_port}")
-        database = ProtoReflectionDescriptorDatabase(sync_channel)
-        assert "kvgate.admin.v1.Admin" in database.get_services()
-        sync_channel.close()
+        # The reflection client is synchronous: run it off this loop, which serves it.
+        def list_services() -> list[str]:
+            with grpc.insecure_channel(f"127.0.0.1:{server.admin_port}") as sync_channel:
+                return list(ProtoReflectionDescriptorDatabase(sync_channel).get_services())
+
+        assert "kvgate.admin.v1.Admin" in await asyncio.to_thread(list_services)
 
         # The CLI client (a separate process, as an operator runs it).
         process = await asyncio.create_subprocess_exec(

@@ -195,11 +195,35 @@ class ModelConfig(_Strict):
         return value
 
 
+class DiscoveryConfig(_Strict):
+    """Read the backend's own capacity and load from its vLLM `/metrics`."""
+
+    metrics_url: str = Field(description="e.g. http://vllm:8000/metrics")
+    # The served model name to filter on when one server exposes several.
+    model_name: str | None = None
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    # Older scrapes are ignored: stale numbers never drive admission.
+    max_staleness_s: float = Field(default=30.0, gt=0)
+
+
+class BackpressureConfig(_Strict):
+    """Shed load (429 backend_overloaded) while the engine itself reports pressure."""
+
+    max_kv_cache_usage: float | None = Field(default=0.95, gt=0, le=1)
+    max_requests_waiting: int | None = Field(default=8, ge=0)
+    retry_after_s: float = Field(default=2.0, ge=1)
+
+
 class BackendConfig(_Strict):
     name: str
-    kv_budget_tokens: int = Field(gt=0)
+    # A number, or "auto": num_gpu_blocks x block_size read from vLLM's
+    # vllm:cache_config_info (needs `discovery`).
+    kv_budget_tokens: int | Literal["auto"]
     kv_block_size: int = Field(default=16, gt=0)
     max_concurrent_requests: int = Field(default=256, gt=0)
+    discovery: DiscoveryConfig | None = None
+    backpressure: BackpressureConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -209,10 +233,22 @@ class BackendConfig(_Strict):
             raise ValueError("must be 1-128 characters of letters, digits and . _ -")
         return value
 
+    @field_validator("kv_budget_tokens")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError('must be greater than 0 (or "auto")')
+        return value
+
     @model_validator(mode="after")
     def _budget_holds_a_block(self) -> BackendConfig:
-        if self.kv_budget_tokens < self.kv_block_size:
+        if self.kv_budget_tokens == "auto":
+            if self.discovery is None:
+                raise ValueError("kv_budget_tokens: auto needs a discovery.metrics_url")
+        elif self.kv_budget_tokens < self.kv_block_size:  # type: ignore[operator]
             raise ValueError("kv_budget_tokens must hold at least one KV block")
+        if self.backpressure is not None and self.discovery is None:
+            raise ValueError("backpressure needs a discovery.metrics_url to read load from")
         return self
 
 
@@ -251,6 +287,9 @@ class RedisConfig(_Strict):
     probe_interval_s: float = Field(default=1.0, gt=0)
     # Settlements waiting for Redis to come back; past this the oldest are dropped (reported).
     max_pending_settlements: int = Field(default=10_000, ge=1)
+    # Settled reservation ids are kept this long so a settlement retried after a timeout is
+    # applied once (about 100 bytes each in Redis: rate x retention).
+    settled_id_retention_s: float = Field(default=600.0, ge=1)
     # Redis calls in flight at once per replica (and connections per Redis node).
     max_connections: int = Field(default=64, ge=1, le=10_000)
     # The URL is one node of a Redis Cluster.

@@ -42,6 +42,8 @@ class RuntimeSnapshot:
     models: Mapping[str, ModelRoute]
     backends: Mapping[str, BackendLimits]
     config: KvgateConfig
+    # Backends whose KV budget is discovered from vLLM (their kv_budget_tokens here is 0).
+    auto_budget: frozenset[str] = frozenset()
 
 
 def _route(model: ModelConfig) -> ModelRoute:
@@ -107,7 +109,7 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
             {
                 b.name: BackendLimits(
                     name=b.name,
-                    kv_budget_tokens=b.kv_budget_tokens,
+                    kv_budget_tokens=0 if b.kv_budget_tokens == "auto" else b.kv_budget_tokens,
                     kv_block_size=b.kv_block_size,
                     max_concurrent_requests=b.max_concurrent_requests,
                 )
@@ -115,6 +117,7 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
             }
         ),
         config=config,
+        auto_budget=frozenset(b.name for b in config.backends if b.kv_budget_tokens == "auto"),
     )
 
 

@@ -13,6 +13,7 @@ from kvgate.openai import ApiError, ParsedRequest
 from kvgate.openai import errors as api_errors
 from kvgate.policy import (
     AdmissionRequest,
+    BackendLimits,
     BudgetAction,
     Decision,
     Reason,
@@ -20,6 +21,7 @@ from kvgate.policy import (
     TenantPolicy,
     plan_new_tokens,
 )
+from kvgate.store import StoreUnavailable
 from kvgate.tokenize import PromptRenderError
 
 FALLBACK_HEADER = "x-kvgate-fallback"
@@ -141,11 +143,47 @@ class AdmissionPlanner:
                 sized.prompt_tokens, sized.max_new_tokens * sequences
             ),
         )
-        decision = await self._svc.store.reserve(
-            admission, self._snapshot.backends[sized.route.backend], tenant
-        )
+        limits = self._backend_limits(sized.route.backend)
+        try:
+            decision = await self._svc.store.reserve(admission, limits, tenant)
+        except StoreUnavailable as exc:
+            # The shared store is down and the policy is fail_closed: 503, retry later.
+            raise AdmissionRejected(
+                api_errors.service_unavailable(
+                    "kvgate cannot reach its shared state store to admit this request. "
+                    "Please retry.",
+                    retry_after_s=exc.retry_after_s,
+                ),
+                Reason.STORE_UNAVAILABLE,
+            ) from None
         self._svc.record_violations(tenant.name, decision)
         return decision
+
+    def _backend_limits(self, backend: str) -> BackendLimits:
+        """The backend's limits now: a discovered budget, and no admission under pressure."""
+        limits = self._svc.capacity.effective_limits(
+            self._snapshot.backends[backend], auto=backend in self._snapshot.auto_budget
+        )
+        if limits is None:
+            raise AdmissionRejected(
+                api_errors.service_unavailable(
+                    f"The capacity of backend '{backend}' is not known yet.", retry_after_s=2
+                ),
+                Reason.CAPACITY_UNKNOWN,
+            )
+        verdict = self._svc.capacity.verdict(backend)
+        if verdict is not None and verdict.shed:
+            settings = next(b for b in self._snapshot.config.backends if b.name == backend)
+            retry = settings.backpressure.retry_after_s if settings.backpressure else 2.0
+            raise AdmissionRejected(
+                api_errors.rate_limited(
+                    f"Backend '{backend}' is overloaded: {verdict.detail}",
+                    Reason.BACKEND_OVERLOADED.value,
+                    retry,
+                ),
+                Reason.BACKEND_OVERLOADED,
+            )
+        return limits
 
     def _admitted(self, decision: Decision, sized: _Sized) -> Admitted:
         assert decision.reservation is not None

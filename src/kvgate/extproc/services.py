@@ -7,6 +7,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
 from kvgate.metrics import Metrics
 from kvgate.policy import (
@@ -67,12 +68,14 @@ class GatewayServices:
         tokenizers: PromptTokenizers,
         metrics: Metrics,
         clock: Clock,
+        capacity: CapacityRegistry | None = None,
     ) -> None:
         self.snapshots = snapshots
         self.store = store
         self.tokenizers = tokenizers
         self.metrics = metrics
         self.clock = clock
+        self.capacity = capacity or CapacityRegistry()
         self.shutting_down = False
         self._background: set[asyncio.Task[None]] = set()
 

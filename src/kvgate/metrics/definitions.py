@@ -147,3 +147,40 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+        # The shared state store (Redis).
+        self.store_up = Gauge(
+            "kvgate_store_up",
+            "1 while the state store answers (always with the memory store), 0 while Redis "
+            "does not and this replica applies the failure policy.",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "kvgate_store_errors",
+            "Shared-store calls that failed or timed out, by operation.",
+            ["op"],
+            registry=r,
+        )
+        self.store_fallback_decisions = Counter(
+            "kvgate_store_fallback_decisions",
+            "Admission decisions taken by this replica's local store because the shared store "
+            "was unavailable (fail_open), by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.store_pending_settlements = Gauge(
+            "kvgate_store_pending_settlements",
+            "Settlements waiting for the shared store to come back.",
+            registry=r,
+        )
+        self.store_reconciled_settlements = Counter(
+            "kvgate_store_reconciled_settlements",
+            "Settlements delivered late to the shared store: 'settle' (a lease of the shared "
+            "store) or 'local' (a request admitted by the local fallback).",
+            ["kind"],
+            registry=r,
+        )
+        self.store_dropped_settlements = Counter(
+            "kvgate_store_dropped_settlements",
+            "Settlements dropped because the queue waiting for the shared store was full.",
+            registry=r,
+        )

@@ -520,8 +520,7 @@ def _refuse_uncountable_chat_fields(obj: dict[str, Any]) -> None:
     for name, what in _UNCOUNTABLE_CHAT_FIELDS.items():
         if obj.get(name) is not None:
             raise invalid_request(
-                f"'{name}' is not supported by this gateway: it cannot count the tokens of "
-                f"{what}.",
+                f"'{name}' is not supported by this gateway: it cannot count the tokens of {what}.",
                 name,
                 "unsupported_parameter",
             )

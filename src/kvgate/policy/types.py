@@ -34,6 +34,9 @@ class Reason(enum.StrEnum):
     REQUEST_EXCEEDS_TPM = "request_exceeds_tpm"
     CONCURRENCY_EXCEEDED = "concurrency_exceeded"
     BUDGET_EXCEEDED = "budget_exceeded"
+    BACKEND_OVERLOADED = "backend_overloaded"
+    CAPACITY_UNKNOWN = "capacity_unknown"
+    STORE_UNAVAILABLE = "store_unavailable"
     INTERNAL_ERROR = "internal_error"
 
 

@@ -1,0 +1,289 @@
+-- kvgate: helpers shared by every script. The store prepends this file to each script.
+--
+-- Every key a script touches is built from ARGV[1], the hash-tagged prefix "{<prefix>}", so
+-- all of a deployment's keys live in one Redis Cluster slot and each script is single-slot.
+-- KEYS[1] is always <prefix>:leases, which routes the call and lets Cluster check the slot.
+--
+-- Numbers: Lua 5.1 numbers are doubles. Floats that go back to Python are formatted with
+-- %.17g (exact round trip). Money (integer pico-dollars, which exceed 2^53) never becomes a
+-- single Lua number: it travels and is stored as a decimal string and is computed on as a
+-- pair (hi, lo) = hi * 10^12 + lo with 0 <= lo < 10^12, exact while |hi| < 2^53.
+
+if redis.replicate_commands then
+  -- Redis < 5 needs this before writing after TIME; on Redis >= 5 it is a no-op.
+  redis.replicate_commands()
+end
+
+local B = 1000000000000
+
+local function num(x)
+  return string.format('%.17g', x)
+end
+
+local function m_norm(hi, lo)
+  local carry = math.floor(lo / B)
+  return hi + carry, lo - carry * B
+end
+
+local function m_parse(s)
+  if not s or s == '' then
+    return 0, 0
+  end
+  s = tostring(s)
+  local neg = string.sub(s, 1, 1) == '-'
+  if neg then
+    s = string.sub(s, 2)
+  end
+  local n = #s
+  local hi, lo = 0, tonumber(s)
+  if n > 12 then
+    hi = tonumber(string.sub(s, 1, n - 12))
+    lo = tonumber(string.sub(s, n - 11))
+  end
+  if neg then
+    return m_norm(-hi, -lo)
+  end
+  return hi, lo
+end
+
+local function m_str(hi, lo)
+  if hi < 0 then
+    -- value = hi*B + lo < 0: print the magnitude
+    local h, l = m_norm(-hi, -lo)
+    return '-' .. (h == 0 and string.format('%d', l) or string.format('%d%012d', h, l))
+  end
+  if hi == 0 then
+    return string.format('%d', lo)
+  end
+  return string.format('%d%012d', hi, lo)
+end
+
+local function m_add(ah, al, bh, bl)
+  return m_norm(ah + bh, al + bl)
+end
+
+local function m_sub(ah, al, bh, bl)
+  return m_norm(ah - bh, al - bl)
+end
+
+-- a > b, both normalised
+local function m_gt(ah, al, bh, bl)
+  if ah ~= bh then
+    return ah > bh
+  end
+  return al > bl
+end
+
+local function hmoney_add(key, field, dh, dl)
+  local h, l = m_parse(redis.call('HGET', key, field))
+  h, l = m_add(h, l, dh, dl)
+  redis.call('HSET', key, field, m_str(h, l))
+end
+
+-- The one clock: Redis TIME, unless the caller injected a test clock.
+local function clock(a)
+  if a.now then
+    return a.now, a.wall
+  end
+  local t = redis.call('TIME')
+  local s = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  return s, s
+end
+
+-- UTC calendar from days since 1970-01-01 (proleptic Gregorian, era arithmetic).
+local function civil(days)
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then
+    y = y + 1
+  end
+  return y, m, d
+end
+
+-- The budget period keys of a wall time: "YYYY-MM-DD" and "YYYY-MM" (as policy/periods.py).
+local function period_keys(wall)
+  local y, m, d = civil(math.floor(wall / 86400))
+  return string.format('%04d-%02d-%02d', y, m, d), string.format('%04d-%02d', y, m)
+end
+
+-- ---------------------------------------------------------------- token buckets
+-- Mirrors policy/buckets.py exactly (same double arithmetic, same order of operations).
+
+local function refill(b, now)
+  local elapsed = now - b.at
+  if elapsed < 0 then
+    elapsed = 0
+  end
+  b.level = math.min(b.cap, b.level + elapsed * b.rate)
+  if now > b.at then
+    b.at = now
+  end
+end
+
+local function wait_for(b, amount, now)
+  if amount > b.cap then
+    return math.huge
+  end
+  refill(b, now)
+  local missing = amount - b.level
+  if missing <= 0 then
+    return 0
+  end
+  return missing / b.rate
+end
+
+local function take(b, amount, now)
+  refill(b, now)
+  b.level = b.level - amount
+end
+
+local function give_back(b, amount, now)
+  refill(b, now)
+  b.level = math.min(b.cap, b.level + amount)
+end
+
+-- A bucket brought in line with its rule (nil: no rule). A new rule starts full; a changed
+-- rule keeps the level (capped), forgiving no debt and granting no fresh burst.
+local function sync(b, rule, now)
+  if not rule then
+    return nil
+  end
+  if not b then
+    return { level = rule[1], at = now, cap = rule[1], rate = rule[2] }
+  end
+  if b.cap ~= rule[1] or b.rate ~= rule[2] then
+    refill(b, now)
+    b.cap, b.rate = rule[1], rule[2]
+    b.level = math.min(b.level, rule[1])
+  end
+  return b
+end
+
+-- ---------------------------------------------------------------- tenant scopes
+-- One hash per tenant: "<scope>|rl" etc. (r = requests bucket, t = tokens bucket:
+-- l level, u updated at, c capacity, r refill per s) and "<scope>|n" (in flight).
+-- The tenant-wide scope is "", a model scope is the model's name.
+
+local function scope_load(h, s)
+  local v = redis.call('HMGET', h, s .. '|rl', s .. '|ru', s .. '|rc', s .. '|rr',
+    s .. '|tl', s .. '|tu', s .. '|tc', s .. '|tr', s .. '|n')
+  local sc = { key = s, n = tonumber(v[9]) or 0 }
+  if v[1] then
+    sc.r = { level = tonumber(v[1]), at = tonumber(v[2]), cap = tonumber(v[3]), rate = tonumber(v[4]) }
+  end
+  if v[5] then
+    sc.t = { level = tonumber(v[5]), at = tonumber(v[6]), cap = tonumber(v[7]), rate = tonumber(v[8]) }
+  end
+  return sc
+end
+
+local function bucket_save(h, s, kind, b)
+  if b then
+    redis.call('HSET', h, s .. '|' .. kind .. 'l', num(b.level), s .. '|' .. kind .. 'u', num(b.at),
+      s .. '|' .. kind .. 'c', num(b.cap), s .. '|' .. kind .. 'r', num(b.rate))
+  else
+    redis.call('HDEL', h, s .. '|' .. kind .. 'l', s .. '|' .. kind .. 'u', s .. '|' .. kind .. 'c',
+      s .. '|' .. kind .. 'r')
+  end
+end
+
+local function scope_save(h, sc)
+  bucket_save(h, sc.key, 'r', sc.r)
+  bucket_save(h, sc.key, 't', sc.t)
+  redis.call('HSET', h, sc.key .. '|n', sc.n)
+end
+
+local function scope_sync(sc, lim, now)
+  sc.r = sync(sc.r, lim.r, now)
+  sc.t = sync(sc.t, lim.t, now)
+end
+
+-- ---------------------------------------------------------------- leases
+-- A reservation record is "<started> <kv> <max new> <tenant>\n<JSON>": the first line is all
+-- the Retry-After estimate reads from every lease (parsed without decoding the JSON).
+
+local function rec_encode(t)
+  return t.s .. ' ' .. t.kv .. ' ' .. t.x .. ' ' .. t.t .. '\n' .. cjson.encode(t)
+end
+
+local function rec_decode(raw)
+  return cjson.decode(string.sub(raw, string.find(raw, '\n', 1, true) + 1))
+end
+
+local function tenant_key(P, tenant)
+  return P .. ':t|' .. tenant
+end
+
+-- Undo what one reservation holds on its tenant: free the slot in every scope, refund the
+-- unused tokens (or charge the overshoot), move the money from reserved to spent.
+-- `limits` maps scope -> rules of the current policy; nil (a sweep, which has no policy at
+-- hand) uses the rules of the tenant's last reservation, as the memory store does.
+local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now)
+  local h = tenant_key(P, rec.t)
+  if not limits then
+    limits = {}
+    local pol = redis.call('HGET', h, 'pol')
+    if pol then
+      for _, lim in ipairs(cjson.decode(pol)) do
+        limits[lim.k] = lim
+      end
+    end
+  end
+  for _, s in ipairs(rec.sc) do
+    local sc = scope_load(h, s)
+    scope_sync(sc, limits[s] or {}, now)
+    sc.n = math.max(0, sc.n - 1)
+    if sc.t then
+      give_back(sc.t, rec.tk - used_tokens, now)
+    end
+    scope_save(h, sc)
+  end
+  local hold_h, hold_l = m_parse(rec.cost)
+  for _, key in ipairs({ rec.dk, rec.mk }) do
+    local rh, rl = m_parse(redis.call('HGET', h, 'rs|' .. key))
+    rh, rl = m_sub(rh, rl, hold_h, hold_l)
+    if rh < 0 then
+      rh, rl = 0, 0
+    end
+    redis.call('HSET', h, 'rs|' .. key, m_str(rh, rl))
+    hmoney_add(h, 'sp|' .. key, cost_h, cost_l)
+  end
+end
+
+local function release_backend(P, backend, rec)
+  local bk = P .. ':b|' .. backend
+  redis.call('HINCRBY', bk, 'kv', -rec.kv)
+  redis.call('HINCRBY', bk, 'n', -1)
+end
+
+-- Free every lease that expired: backend capacity and tenant holds, nothing charged.
+-- Returns what was freed so the caller can report it.
+local function sweep(P, now, limit)
+  local leases = P .. ':leases'
+  local due = redis.call('ZRANGEBYSCORE', leases, '-inf', num(now), 'WITHSCORES', 'LIMIT', 0, limit)
+  local out = {}
+  for i = 1, #due, 2 do
+    local member = due[i]
+    local bar = string.find(member, '|', 1, true)
+    local backend, id = string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
+    redis.call('ZREM', leases, member)
+    local rk = P .. ':r|' .. backend
+    local raw = redis.call('HGET', rk, id)
+    if raw then
+      redis.call('HDEL', rk, id)
+      local rec = rec_decode(raw)
+      release_backend(P, backend, rec)
+      release_hold(P, rec, 0, 0, 0, nil, now)
+      out[#out + 1] = { backend, id, due[i + 1], raw }
+    end
+  end
+  return out
+end
