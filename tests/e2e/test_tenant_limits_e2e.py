@@ -340,3 +340,9 @@ async def test_ledger_equals_what_was_served_token_for_token(ledger_stack: Stack
             entry[1] += totals["output_tokens"]
             entry[2] += int(Decimal(totals["cost_usd"]) * 10**12)
     assert got == expected
+    # The Prometheus counters tell the same story (the cost counter is a float of dollars).
+    for model, (prompt, output, cost) in expected.items():
+        assert metric_value(stack, "kvgate_prompt_tokens_total", model=model) == prompt
+        assert metric_value(stack, "kvgate_output_tokens_total", model=model) == output
+        dollars = metric_value(stack, "kvgate_cost_usd_total", model=model)
+        assert dollars == pytest.approx(cost / 10**12, rel=1e-9)
