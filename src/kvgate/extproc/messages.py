@@ -105,11 +105,19 @@ def continue_response_headers(
     return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
 
 
+# The reply to most response chunks: built once and never mutated (grpc only serializes it).
+_PLAIN_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(
+    response_body=pb.BodyResponse(response=pb.CommonResponse())
+)
+
+
 def continue_response_body(
     replacement: bytes | None = None,
     dynamic_metadata: Mapping[str, Any] | None = None,
 ) -> pb.ProcessingResponse:
     """CONTINUE a response chunk; `replacement` rewrites it (b"" drops it)."""
+    if replacement is None and not dynamic_metadata:
+        return _PLAIN_CONTINUE_RESPONSE_BODY
     common = pb.CommonResponse()
     if replacement is not None:
         if replacement:
