@@ -28,8 +28,10 @@ def _restart_only_changes(old: KvgateConfig, new: KvgateConfig) -> list[str]:
         changed.append("server.grpc_listen")
     if old.server.http_listen != new.server.http_listen:
         changed.append("server.http_listen")
-    if old.model_dump().get("store") != new.model_dump().get("store"):
-        changed.append("store")
+    before, after = old.model_dump(), new.model_dump()
+    for section in ("store", "redis"):
+        if before.get(section) != after.get(section):
+            changed.append(section)
     return changed
 
 

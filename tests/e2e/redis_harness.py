@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -104,6 +107,125 @@ class RedisServer:
         if self.process.running and self.process.pid is not None:
             os.kill(self.process.pid, signal.SIGCONT)  # a paused server cannot exit
         self.process.stop(timeout=5)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisSentinel:
+    """One redis-sentinel (quorum 1) watching `master` under the name `name`."""
+
+    def __init__(self, work_dir: Path, master: RedisServer, name: str = "kvgate-master") -> None:
+        self.port = free_port()
+        self.name = name
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        config = self.work_dir / "sentinel.conf"  # sentinel rewrites its own config file
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.work_dir}\n"
+            f"sentinel monitor {name} 127.0.0.1 {master.port} 1\n",
+            encoding="utf-8",
+        )
+        self.process = ManagedProcess(
+            f"sentinel-{self.port}",
+            [REDIS_SERVER, str(config), "--sentinel"],
+            log_dir=self.work_dir,
+        )
+
+    def start(self, timeout: float = 15.0) -> Self:
+        self.process.start()
+        self.process.wait_tcp(self.port, timeout)
+        return self
+
+    def stop(self) -> None:
+        self.process.stop(timeout=5)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _cluster_port() -> int:
+    """A free port P <= 55535 whose cluster bus port P + 10000 is free too."""
+    for _ in range(200):
+        port = random.randint(20_000, 55_000)
+        try:
+            for candidate in (port, port + 10_000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise OSError("no free port pair for a Redis Cluster node")
+
+
+class RedisClusterNodes:
+    """A real Redis Cluster on free ports: `masters` empty nodes joined with
+    `redis-cli --cluster create` (16384 slots split between them, no replicas)."""
+
+    def __init__(self, work_dir: Path, masters: int = 3) -> None:
+        self.ports = [_cluster_port() for _ in range(masters)]
+        self.work_dir = Path(work_dir)
+        self.nodes: list[ManagedProcess] = []
+        for port in self.ports:
+            node_dir = self.work_dir / str(port)
+            node_dir.mkdir(parents=True, exist_ok=True)
+            argv = [
+                REDIS_SERVER,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(node_dir),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ]
+            self.nodes.append(ManagedProcess(f"redis-cluster-{port}", argv, log_dir=node_dir))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self, timeout: float = 30.0) -> Self:
+        for node, port in zip(self.nodes, self.ports, strict=True):
+            node.start()
+            node.wait_tcp(port, timeout)
+        subprocess.run(
+            [
+                str(Path(REDIS_SERVER).with_name("redis-cli")),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{port}" for port in self.ports),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+        deadline = time.monotonic() + timeout
+        for port in self.ports:
+            with redis.Redis(port=port, socket_timeout=2) as client:
+                while client.cluster("INFO").get("cluster_state") != "ok":
+                    if time.monotonic() > deadline:
+                        raise ProcessError(f"redis cluster not ok after {timeout:.0f}s")
+                    time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop(timeout=5)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -40,6 +40,7 @@ from kvgate.policy import (
     TenantPolicy,
     pico_to_usd,
 )
+from kvgate.store import StoreUnavailable
 
 log = logging.getLogger("kvgate.session")
 
@@ -170,7 +171,16 @@ class StreamSession:
                 )
             self.phase = Phase.PASSTHROUGH
             self._svc.metrics.requests.labels("answered", Reason.USAGE_REPORT.value).inc()
-            report = await tenant_usage_report(self._svc, self._snapshot, tenant)
+            try:
+                report = await tenant_usage_report(self._svc, self._snapshot, tenant)
+            except StoreUnavailable as exc:
+                return self._reject(
+                    api_errors.service_unavailable(
+                        "Usage is unavailable while kvgate cannot reach its state store.",
+                        retry_after_s=exc.retry_after_s,
+                    ),
+                    Reason.STORE_UNAVAILABLE,
+                )
             return messages.immediate_response(
                 200, json.dumps(report, separators=(",", ":")).encode(), details="kvgate_usage"
             )

@@ -1,0 +1,299 @@
+"""Redis failing under the store (the failure policy, bounded waits, reconciliation), and
+Redis found through Sentinel.
+
+Each test runs its own `redis-server` (no persistence) on a free port and kills, pauses or
+restarts it mid-test. Real time here: the probe that notices Redis is back runs every 0.2 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvgate.policy import (
+    ActualUsage,
+    AdmissionRequest,
+    BackendLimits,
+    ConcurrencyRule,
+    Reason,
+    ScopeLimits,
+    SettleCause,
+    TenantPolicy,
+    UsageTotals,
+)
+from kvgate.store import (
+    FailurePolicy,
+    FallbackStore,
+    MemoryStore,
+    RedisSettings,
+    RedisStore,
+    StoreUnavailable,
+)
+from tests.e2e.redis_harness import RedisSentinel, RedisServer
+
+TIMEOUT_S = 0.3
+PROBE_S = 0.2
+BACKEND = BackendLimits("b", kv_budget_tokens=10_000, kv_block_size=16, max_concurrent_requests=64)
+TENANT = TenantPolicy(name="t", limits=ScopeLimits(concurrency=ConcurrencyRule(2)))
+
+
+def req(n: int = 0) -> AdmissionRequest:
+    return AdmissionRequest(
+        request_id=f"r{n}",
+        tenant="t",
+        model="m",
+        backend="b",
+        prompt_tokens=10,
+        max_new_tokens=10,
+        cost_pico=1000,
+    )
+
+
+class _Recorder:
+    """StoreEvents that records everything."""
+
+    def __init__(self) -> None:
+        self.up: list[bool] = []
+        self.fallbacks: list[bool] = []
+        self.errors: list[str] = []
+        self.reconciled_kinds: list[str] = []
+        self.dropped_count = 0
+        self.pending_count = 0
+
+    def availability(self, up: bool) -> None:
+        self.up.append(up)
+
+    def fallback_decision(self, admitted: bool) -> None:
+        self.fallbacks.append(admitted)
+
+    def error(self, op: str) -> None:
+        self.errors.append(op)
+
+    def pending(self, count: int) -> None:
+        self.pending_count = count
+
+    def dropped(self) -> None:
+        self.dropped_count += 1
+
+    def reconciled(self, kind: str) -> None:
+        self.reconciled_kinds.append(kind)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path / "redis") as running:
+        yield running
+
+
+def fallback_store(
+    server: RedisServer, policy: FailurePolicy, events: _Recorder, max_pending: int = 100
+) -> FallbackStore:
+    shared = RedisStore.from_settings(
+        RedisSettings(url=server.url, key_prefix="fail", timeout_s=TIMEOUT_S),
+        lease_ttl_s=60,
+    )
+    return FallbackStore(
+        shared,
+        MemoryStore(lease_ttl_s=60),
+        policy=policy,
+        retry_after_s=3,
+        probe_interval_s=PROBE_S,
+        max_pending=max_pending,
+        events=events,
+    )
+
+
+@pytest.fixture
+async def events() -> AsyncIterator[_Recorder]:
+    yield _Recorder()
+
+
+async def wait_for(predicate: object, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_fail_closed_answers_within_the_timeout_and_reconciles(
+    server: RedisServer, events: _Recorder
+) -> None:
+    store = fallback_store(server, FailurePolicy.FAIL_CLOSED, events)
+    try:
+        held = (await store.reserve(req(1), BACKEND, TENANT)).reservation
+        assert held is not None
+        server.kill()
+
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as info:
+            await store.reserve(req(2), BACKEND, TENANT)
+        assert time.monotonic() - started < TIMEOUT_S + 0.2
+        assert info.value.retry_after_s == 3
+        assert not store.available and events.up == [False]
+        # Meanwhile nobody waits on the dead server at all.
+        started = time.monotonic()
+        for n in range(20):
+            with pytest.raises(StoreUnavailable):
+                await store.reserve(req(10 + n), BACKEND, TENANT)
+        assert time.monotonic() - started < 0.05
+
+        # The settlement of a Redis lease waits in the queue...
+        settlement = await store.settle(
+            held, SettleCause.COMPLETED, ActualUsage(10, 7), cost_pico=900, tenant=TENANT
+        )
+        assert settlement.applied and store.pending_settlements == 1
+        with pytest.raises(StoreUnavailable):
+            await store.usage_totals()
+
+        # ... and lands when Redis is back (empty: it kept nothing), before new admissions.
+        server.start()
+        await wait_for(lambda: store.available)
+        assert events.up == [False, True] and events.reconciled_kinds == ["settle"]
+        assert store.pending_settlements == 0
+        assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 10, 7, 0, 900)}
+        assert (await store.reserve(req(3), BACKEND, TENANT)).admitted
+        assert "reserve" in events.errors
+    finally:
+        await store.close()
+
+
+async def test_fail_open_admits_locally_and_books_the_ledger_later(
+    server: RedisServer, events: _Recorder
+) -> None:
+    store = fallback_store(server, FailurePolicy.FAIL_OPEN, events)
+    try:
+        assert await store.check()
+        server.kill()
+        started = time.monotonic()
+        first = await store.reserve(req(1), BACKEND, TENANT)
+        assert time.monotonic() - started < TIMEOUT_S + 0.2
+        second = await store.reserve(req(2), BACKEND, TENANT)
+        third = await store.reserve(req(3), BACKEND, TENANT)
+        # The local store enforces the same limits (here: 2 at once).
+        assert first.admitted and second.admitted
+        assert third.reason is Reason.CONCURRENCY_EXCEEDED
+        assert events.fallbacks == [True, True, False]
+        assert first.reservation and second.reservation
+        statuses = await store.backend_status()
+        assert [(s.name, s.requests_in_flight) for s in statuses] == [("b", 2)]
+
+        for n, reservation in enumerate((first.reservation, second.reservation)):
+            await store.settle(
+                reservation,
+                SettleCause.COMPLETED,
+                ActualUsage(10, 5 + n),
+                cost_pico=100 + n,
+                tenant=TENANT,
+            )
+        assert store.pending_settlements == 2
+        assert (await store.reserve(req(4), BACKEND, TENANT)).admitted  # slots came back
+
+        server.start()
+        await wait_for(lambda: store.available)
+        assert events.reconciled_kinds == ["local", "local"]
+        assert await store.usage_totals() == {("t", "m"): UsageTotals(2, 20, 11, 0, 201)}
+        day = first.reservation.hold.period_keys[0][1] if first.reservation.hold else ""
+        usage = await store.tenant_usage("t", [day])
+        assert usage.spent_pico == {day: 201}
+    finally:
+        await store.close()
+
+
+async def test_a_hung_redis_costs_each_call_at_most_the_timeout(
+    server: RedisServer, events: _Recorder
+) -> None:
+    shared = RedisStore.from_settings(
+        RedisSettings(url=server.url, key_prefix="hung", timeout_s=TIMEOUT_S), lease_ttl_s=60
+    )
+    try:
+        reservation = (await shared.reserve(req(1), BACKEND, TENANT)).reservation
+        assert reservation is not None
+        server.pause()  # connections stay open; nothing answers
+        calls = [
+            lambda: shared.reserve(req(2), BACKEND, TENANT),
+            lambda: shared.settle(
+                reservation, SettleCause.COMPLETED, ActualUsage(1, 1), cost_pico=0, tenant=TENANT
+            ),
+            lambda: shared.renew(reservation),
+            shared.backend_status,
+            shared.usage_totals,
+            lambda: shared.tenant_usage("t", ["2026-01"]),
+            shared.ping,
+        ]
+        for call in calls:
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                await call()
+            assert time.monotonic() - started < TIMEOUT_S + 0.2
+        server.resume()
+        # The timed-out settlement may or may not have landed: a late delivery applies once.
+        late = await shared.settle_late(
+            reservation, SettleCause.COMPLETED, ActualUsage(1, 1), cost_pico=0, tenant=TENANT
+        )
+        again = await shared.settle_late(
+            reservation, SettleCause.COMPLETED, ActualUsage(1, 1), cost_pico=0, tenant=TENANT
+        )
+        assert [late.applied, again.applied].count(True) <= 1
+        assert (await shared.usage_totals())[("t", "m")].requests == 1
+    finally:
+        server.resume()
+        await shared.close()
+
+
+async def test_the_settlement_queue_is_bounded(server: RedisServer, events: _Recorder) -> None:
+    store = fallback_store(server, FailurePolicy.FAIL_OPEN, events, max_pending=3)
+    try:
+        server.kill()
+        wide = TenantPolicy(name="t")
+        for n in range(5):
+            decision = await store.reserve(req(n), BACKEND, wide)
+            assert decision.reservation is not None
+            await store.settle(
+                decision.reservation,
+                SettleCause.COMPLETED,
+                ActualUsage(1, 1),
+                cost_pico=1,
+                tenant=wide,
+            )
+        assert store.pending_settlements == 3 and events.dropped_count == 2
+        server.start()
+        await wait_for(lambda: store.available)
+        assert (await store.usage_totals())[("t", "m")].requests == 3
+    finally:
+        await store.close()
+
+
+async def test_the_master_is_found_through_sentinel(tmp_path: Path) -> None:
+    with (
+        RedisServer(tmp_path / "master") as master,
+        RedisSentinel(tmp_path / "sentinel", master) as sentinel,
+    ):
+        store = RedisStore.from_settings(
+            RedisSettings(
+                url="redis://unused/0",
+                key_prefix="sentinel",
+                timeout_s=2,
+                sentinel_master=sentinel.name,
+                sentinel_nodes=(("127.0.0.1", sentinel.port),),
+            ),
+            lease_ttl_s=60,
+        )
+        try:
+            decision = await store.reserve(req(1), BACKEND, TENANT)
+            assert decision.reservation is not None
+            await store.settle(
+                decision.reservation,
+                SettleCause.COMPLETED,
+                ActualUsage(10, 1),
+                cost_pico=1,
+                tenant=TENANT,
+            )
+            assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 10, 1, 0, 1)}
+            with master.client() as direct:  # the state really is on the master
+                assert direct.exists("{sentinel}:tot")
+        finally:
+            await store.close()
