@@ -28,8 +28,14 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None
     raise SystemExit(f"timed out waiting for {url}")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    # SIGTERM (e.g. from a supervisor) stops the stack as cleanly as Ctrl-C does.
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     os.chdir(ROOT)
+    signal.signal(signal.SIGTERM, _interrupt)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         sim = subprocess.Popen(

@@ -192,9 +192,11 @@ class StreamSession:
                 )
             self.phase = Phase.PASSTHROUGH
             self._svc.metrics.requests.labels("passthrough", Reason.PASSTHROUGH.value).inc()
-            return messages.continue_request_headers(
+            reply = messages.continue_request_headers(
                 {"x-kvgate-tenant": tenant}, forged, skip_rest=True
             )
+            reply.dynamic_metadata.CopyFrom(messages.metadata(self._metadata("passthrough")))
+            return reply
         if self._path not in ADMITTED_PATHS:
             return self._reject(api_errors.unsupported_path(self._path), Reason.UNSUPPORTED_PATH)
         if method != "POST":
