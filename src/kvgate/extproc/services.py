@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
+from kvgate.extproc.handoff import HandedOff, HandoffRegistry
 from kvgate.metrics import Metrics
 from kvgate.policy import (
     ActualUsage,
@@ -76,6 +77,7 @@ class GatewayServices:
         self.metrics = metrics
         self.clock = clock
         self.capacity = capacity or CapacityRegistry()
+        self.handoffs = HandoffRegistry()
         self.shutting_down = False
         self._background: set[asyncio.Task[None]] = set()
 
@@ -151,6 +153,18 @@ class GatewayServices:
                 "reserved_tokens": reservation.kv_tokens,
                 "cost_usd": str(pico_to_usd(cost_pico)),
             },
+        )
+
+    def settle_unclaimed(self, state: HandedOff) -> None:
+        """A split-mode hand-off no observability stream claimed: the response was never
+        observed, so nothing is charged (as for a request cut before its answer)."""
+        self.metrics.stream_disconnects.labels("unclaimed_handoff").inc()
+        self.settle(
+            state.reservation,
+            SettleCause.DISCONNECTED,
+            ActualUsage(prompt_tokens=0, output_tokens=0),
+            request_id=state.request_id,
+            pricing=state.route.pricing,
         )
 
     def record_violations(self, tenant: str, decision: Decision) -> None:

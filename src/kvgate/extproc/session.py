@@ -14,12 +14,14 @@ import logging
 import time
 from typing import Any
 
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvgate.config import hash_api_key
 from kvgate.config.snapshot import ModelRoute
 from kvgate.extproc import messages
 from kvgate.extproc.admission import AdmissionPlanner, AdmissionRejected
+from kvgate.extproc.handoff import METADATA_KEY, HandedOff
 from kvgate.extproc.services import GatewayServices
 from kvgate.extproc.usage_report import USAGE_PATH, tenant_usage_report
 from kvgate.openai import (
@@ -43,6 +45,8 @@ from kvgate.policy import (
 from kvgate.store import StoreUnavailable
 
 log = logging.getLogger("kvgate.session")
+
+_Mode = processing_mode_pb2.ProcessingMode
 
 ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Requests that only need a valid key: they cost the GPU nothing.
@@ -83,6 +87,12 @@ class StreamSession:
         self._tenant_policy: TenantPolicy | None = None
         self._route: ModelRoute | None = None
         self._client_headers: dict[str, str] = {}
+        # Split response path (envoy-observability.yaml): this request-path stream will not
+        # see the response; or this is the observability stream that does.
+        self._response_elsewhere = False
+        self.observer = False
+        self._handed_off = False
+        self._usage_injected = False
         self._path = ""
         self._body = bytearray()
         self._request: ParsedRequest | None = None
@@ -101,6 +111,11 @@ class StreamSession:
 
     async def handle(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
         kind = message.WhichOneof("request")
+        if message.observability_mode:
+            return await self._observe(message, kind)
+        if message.HasField("protocol_config"):
+            # Sent on a stream's first message: NONE means this filter never sees the response.
+            self._response_elsewhere = message.protocol_config.response_body_mode == _Mode.NONE
         try:
             if kind == "request_headers":
                 return await self._on_request_headers(message.request_headers)
@@ -121,6 +136,51 @@ class StreamSession:
             )
             return self._internal_error_reply(kind)
         return None
+
+    async def _observe(self, message: pb.ProcessingRequest, kind: str | None) -> None:
+        """The observability stream: Envoy ignores replies, so none are sent."""
+        if not self.observer:
+            self.observer = True
+            fields = message.metadata_context.filter_metadata.get(messages.METADATA_NAMESPACE)
+            key = fields.fields.get(METADATA_KEY) if fields is not None else None
+            state = self._svc.handoffs.claim(key.string_value) if key is not None else None
+            if state is not None:
+                self._adopt(state)
+        if self.reservation is None or self._settling:
+            return None  # a rejected or pass-through request: nothing to settle
+        try:
+            if kind == "response_headers":
+                await self._on_response_headers(message.response_headers)
+            elif kind == "response_body":
+                await self._on_response_body(message.response_body)
+        except Exception:
+            self._svc.metrics.internal_errors.labels("observe").inc()
+            log.exception("internal error", extra={"request_id": self.request_id})
+        return None
+
+    def _adopt(self, state: HandedOff) -> None:
+        self.reservation = state.reservation
+        self._route = state.route
+        self._request = state.request
+        self._prompt_tokens = state.prompt_tokens
+        self.tenant = state.tenant
+        self.request_id = state.request_id
+        self.phase = Phase.FORWARDED
+        self._last_renewal = self._svc.clock.now()
+
+    def _hand_off(self) -> None:
+        assert self.reservation is not None and self._route is not None
+        assert self._request is not None and self.tenant is not None
+        self._handed_off = True
+        state = HandedOff(
+            reservation=self.reservation,
+            route=self._route,
+            request=self._request,
+            prompt_tokens=self._prompt_tokens,
+            tenant=self.tenant,
+            request_id=self.request_id,
+        )
+        self._svc.handoffs.register(state, self._svc.settle_unclaimed)
 
     def _internal_error_reply(self, kind: str | None) -> pb.ProcessingResponse:
         if kind in ("request_headers", "request_body") and self.reservation is None:
@@ -247,8 +307,14 @@ class StreamSession:
         self._svc.refresh_backend_gauges(admitted.route.backend)
 
         # Exact output counts need the usage event; when the client did not ask for it, the
-        # response filter strips it again before the client sees it.
-        force_usage = request.stream and not request.include_usage_requested
+        # response filter strips it again before the client sees it. An observability stream
+        # cannot strip anything, so in the split mode nothing is injected.
+        force_usage = (
+            request.stream and not request.include_usage_requested and not self._response_elsewhere
+        )
+        self._usage_injected = force_usage
+        if self._response_elsewhere:
+            self._hand_off()
         new_body: bytes | None = None
         if force_usage or admitted.new_model or admitted.new_max_tokens:
             new_body = rewrite_body(
@@ -296,9 +362,7 @@ class StreamSession:
         content_type = headers.get("content-type", "")
         self._streaming_response = content_type.startswith("text/event-stream")
         if self._streaming_response and self._request is not None:
-            self._sse = SseStreamFilter(
-                strip_usage_event=self._request.stream and not self._request.include_usage_requested
-            )
+            self._sse = SseStreamFilter(strip_usage_event=self._usage_injected)
         if self.phase is Phase.FORWARDED:
             self.phase = Phase.RESPONSE_BODY
         if http.end_of_stream:
@@ -433,7 +497,7 @@ class StreamSession:
     def close(self, *, shutting_down: bool) -> None:
         """The gRPC stream ended. If the request was admitted and not settled, the client
         went away (or Envoy gave up): settle with what was seen so far."""
-        if self.reservation is None or self._settling:
+        if self.reservation is None or self._settling or self._handed_off:
             return
         self._svc.metrics.stream_disconnects.labels(self.phase.value).inc()
         self._settling = True
@@ -468,6 +532,7 @@ class StreamSession:
             meta["model"] = self.reservation.request.model
             meta["backend"] = self.reservation.request.backend
             meta["reserved_tokens"] = self.reservation.kv_tokens
+            meta[METADATA_KEY] = self.reservation.reservation_id
         if self._prompt_tokens:
             meta["prompt_tokens"] = self._prompt_tokens
         return meta
