@@ -25,16 +25,16 @@ up: install demo-model
 	$(BIN)/python tools/up.py
 
 test: install demo-model
-	$(BIN)/ruff check src tests tools
-	$(BIN)/ruff format --check src tests tools
+	$(BIN)/ruff check src tests tools bench deploy
+	$(BIN)/ruff format --check src tests tools bench deploy
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff check src tests tools bench deploy
 
 format: install
-	$(BIN)/ruff format src tests tools
-	$(BIN)/ruff check --fix src tests tools
+	$(BIN)/ruff format src tests tools bench deploy
+	$(BIN)/ruff check --fix src tests tools bench deploy
 
 clean:
 	rm -rf $(VENV) var build *.egg-info
