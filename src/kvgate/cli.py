@@ -16,12 +16,12 @@ def _serve(args: argparse.Namespace) -> int:
     from kvgate.app import run
     from kvgate.logs import configure_logging
 
-    configure_logging(args.log_level)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    configure_logging(args.log_level or config.server.log_level)
     run(config, Path(args.config))
     return 0
 
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the ext_proc server")
     serve.add_argument("--config", required=True)
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", help="overrides server.log_level")
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser("check-config", help="validate a config file without serving")

@@ -21,7 +21,8 @@ MODEL = "qwen2.5-demo"
 
 @pytest.fixture
 def stack() -> Iterator[Stack]:
-    with Stack(kvgate_overrides={"server": {"shutdown_grace_s": 1}}) as running:
+    overrides = {"server": {"shutdown_grace_s": 1, "log_level": "DEBUG"}}
+    with Stack(kvgate_overrides=overrides) as running:
         yield running
 
 

@@ -33,6 +33,8 @@ class ServerConfig(_Strict):
     http_listen: str = "127.0.0.1:9464"
     # The operator gRPC API (usage, backends, reload): keep it on a private address.
     admin_listen: str = "127.0.0.1:50052"
+    # DEBUG adds one JSON line per settled or rejected request.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # Seconds in-flight streams get to finish on SIGTERM before they are cut and settled.
     shutdown_grace_s: float = Field(default=25.0, ge=0)
     # Reservations are leases: one nobody renews (a lost stream) frees itself after this.

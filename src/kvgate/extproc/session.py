@@ -334,7 +334,7 @@ class StreamSession:
         self._svc.metrics.requests.labels("rejected", reason.value).inc()
         if self.tenant is not None:
             self._svc.metrics.tenant_rejections.labels(self.tenant, reason.value).inc()
-        log.info(
+        log.debug(
             "rejected",
             extra={
                 "request_id": self.request_id,
