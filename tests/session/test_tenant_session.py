@@ -174,3 +174,16 @@ async def test_shadow_mode_rejects_nothing_and_counts() -> None:
             if s.name.endswith("_total")
         }
         assert samples[("acme", "tpm")] >= 2
+
+
+async def test_a_tenant_over_its_limit_is_turned_away_before_tokenizing() -> None:
+    async for rig in _rig(tenant_config(limits={"rpm": 1})):
+        _, first = await admit(rig, CHAT)
+        assert first.WhichOneof("response") == "request_body"
+        stats = rig.server.tokenizers.cache_stats()
+        _, second = await admit(rig, dict(CHAT, messages=[{"role": "user", "content": "new"}]))
+        assert second.immediate_response.status.code == 429
+        assert json.loads(second.immediate_response.body)["error"]["code"] == "rpm_exceeded"
+        after = rig.server.tokenizers.cache_stats()
+        # Neither a cache hit nor a miss: the prompt was never counted.
+        assert (after.hits, after.misses) == (stats.hits, stats.misses)

@@ -364,3 +364,40 @@ def test_rate_limit_headers_from_a_decision() -> None:
 def test_what_is_charged_when(cause: SettleCause, streamed: bool, charged: tuple[int, int]) -> None:
     usage = charged_usage(cause, ActualUsage(50, 7), streamed=streamed)
     assert (usage.prompt_tokens, usage.output_tokens) == charged
+
+
+# ---------------------------------------------------------------- early rejection
+
+
+def test_precheck_rejects_only_what_the_full_check_would() -> None:
+    """Checks are monotonic in tokens and cost, so a lower bound's violation is real."""
+    from kvgate.policy import precheck
+
+    rig = Rig(tpm(1000, 10))
+    assert rig.admit(req(800, 150)).admitted  # 50 left
+    early = precheck(
+        req(1, 100),
+        backend=rig.backend,
+        policy=rig.policy,
+        state=rig.state,
+        now=rig.clock.now(),
+        wall=rig.clock.wall(),
+    )
+    assert early is not None and early.reason is Reason.TPM_EXCEEDED
+    full = rig.admit(req(300, 100))
+    assert full.reason is Reason.TPM_EXCEEDED
+    # The early answer's wait is for the lower bound, never longer than the full one.
+    assert early.retry_after_s is not None and full.retry_after_s is not None
+    assert early.retry_after_s <= full.retry_after_s
+    # Room for the lower bound: no early answer (the full check decides after tokenizing).
+    assert (
+        precheck(
+            req(1, 10),
+            backend=rig.backend,
+            policy=rig.policy,
+            state=rig.state,
+            now=rig.clock.now(),
+            wall=rig.clock.wall(),
+        )
+        is None
+    )

@@ -70,6 +70,7 @@ class AdmissionPlanner:
             raise AdmissionRejected(
                 api_errors.model_not_found(request.model), Reason.MODEL_NOT_FOUND
             )
+        await self._reject_early(request, tenant, route, request_id)
         sized = await self._size(request, route, request.max_new_tokens)
         decision = await self._reserve(request, tenant, sized, request_id)
         if decision.admitted:
@@ -86,6 +87,38 @@ class AdmissionPlanner:
         raise AdmissionRejected(_rejection_error(decision), decision.reason, decision)
 
     # ------------------------------------------------------------------ steps
+
+    async def _reject_early(
+        self, request: ParsedRequest, tenant: TenantPolicy, route: ModelRoute, request_id: str
+    ) -> None:
+        """Turn away a tenant that is over a limit before paying for tokenization: a 429
+        should cost far less than an admit."""
+        limits = self._backend_limits(route.backend)
+        sequences = request.num_sequences
+        max_new = request.max_new_tokens or 1
+        lower_bound = AdmissionRequest(
+            request_id=request_id,
+            tenant=tenant.name,
+            model=route.name,
+            backend=route.backend,
+            prompt_tokens=1,
+            max_new_tokens=max_new,
+            choices=sequences,
+            cost_pico=route.pricing.worst_case(1, max_new * sequences),
+        )
+        try:
+            early = await self._svc.store.precheck(lower_bound, limits, tenant)
+        except StoreUnavailable:
+            return  # the full decision below answers with the store's failure policy
+        if early is None:
+            return
+        if (
+            early.reason is Reason.BUDGET_EXCEEDED
+            and tenant.budget_action is not BudgetAction.BLOCK
+        ):
+            return  # a fallback or a clamp may still serve it: take the full path
+        self._svc.record_violations(tenant.name, early)
+        raise AdmissionRejected(_rejection_error(early), early.reason, early)
 
     async def _size(
         self, request: ParsedRequest, route: ModelRoute, requested_max_new: int | None
@@ -229,6 +262,7 @@ class AdmissionPlanner:
         if route is None or route.name == request.model:
             return None
         # The fallback model has its own tokenizer, context and prices: count again.
+        await self._reject_early(request, tenant, route, request_id)
         sized = await self._size(request, route, request.max_new_tokens)
         decision = await self._reserve(request, tenant, sized, request_id)
         if not decision.admitted:

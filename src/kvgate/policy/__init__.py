@@ -1,6 +1,6 @@
 """Pure admission policy: no asyncio, no gRPC, no storage. Time comes from an injected Clock."""
 
-from kvgate.policy.admission import admit, settle_tenant
+from kvgate.policy.admission import admit, precheck, settle_tenant
 from kvgate.policy.buckets import BucketSpec, TokenBucket
 from kvgate.policy.clock import Clock, ManualClock, MonotonicClock
 from kvgate.policy.kv import BackendLedger, ThroughputEstimate
@@ -66,6 +66,7 @@ __all__ = [
     "period_key",
     "pico_to_usd",
     "plan_new_tokens",
+    "precheck",
     "seconds_until_reset",
     "settle_tenant",
     "usd_to_pico",

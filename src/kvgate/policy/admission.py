@@ -95,6 +95,52 @@ def admit(
     )
 
 
+def precheck(
+    lower_bound: AdmissionRequest,
+    *,
+    backend: BackendLedger,
+    policy: TenantPolicy,
+    state: TenantState,
+    now: float,
+    wall: float,
+) -> Decision | None:
+    """Reject early, before the prompt is tokenized, when a tenant limit fails even for the
+    cheapest request this could be (`lower_bound`: one prompt token, the asked max_new).
+
+    Every tenant check is monotonic in tokens and cost, so a violation found for the lower
+    bound is a violation for the real request too: the answer is never wrong, only its
+    Retry-After may be shorter than the full check's. Changes nothing.
+    """
+    violations = tenant_limits.evaluate(
+        policy,
+        state,
+        model=lower_bound.model,
+        tokens=lower_bound.cost_tokens,
+        cost_pico=lower_bound.cost_pico,
+        now=now,
+        wall=wall,
+    )
+    candidates = [
+        (v.reason, _retry_after(v, backend, lower_bound.tenant, now), v.detail)
+        for v in violations
+        if not v.shadow
+    ]
+    if not candidates:
+        return None
+    reason, retry_after, detail = max(
+        candidates, key=lambda c: float("inf") if c[1] is None else c[1]
+    )
+    return Decision(
+        admitted=False,
+        reason=reason,
+        retry_after_s=retry_after,
+        detail=detail,
+        violations=tuple(violations),
+        rate_limits=tenant_limits.rate_limit_view(policy, state, now),
+        budget_left_pico=tenant_limits.budget_left_pico(policy, state, wall),
+    )
+
+
 def settle_tenant(
     policy: TenantPolicy,
     state: TenantState,

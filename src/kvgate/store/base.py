@@ -42,6 +42,14 @@ class StateStore(Protocol):
         """Check every limit and reserve capacity, atomically: all or nothing."""
         ...
 
+    async def precheck(
+        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+    ) -> Decision | None:
+        """A rejection that holds for any request at least as large as `lower_bound`, found
+        without tokenizing; None when nothing is sure (or the store cannot tell cheaply).
+        Changes nothing."""
+        ...
+
     async def settle(
         self,
         reservation: Reservation,

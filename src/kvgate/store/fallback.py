@@ -218,6 +218,12 @@ class FallbackStore:
             self._local_ids.add(decision.reservation.reservation_id)
         return decision
 
+    async def precheck(
+        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+    ) -> Decision | None:
+        # The shared store decides in one round trip; no cheaper early answer exists.
+        return None
+
     async def settle(
         self,
         reservation: Reservation,

@@ -22,6 +22,7 @@ from kvgate.policy import (
     TenantState,
     UsageTotals,
     admit,
+    precheck,
     settle_tenant,
 )
 from kvgate.store.base import ExpiredLeaseHook, TenantUsage
@@ -99,6 +100,19 @@ class MemoryStore:
             now=now,
             wall=self._clock.wall(),
             lease_ttl_s=self._lease_ttl_s,
+        )
+
+    async def precheck(
+        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+    ) -> Decision | None:
+        now = self._clock.now()
+        return precheck(
+            lower_bound,
+            backend=self._backend(backend),
+            policy=tenant,
+            state=self._tenant(tenant.name),
+            now=now,
+            wall=self._clock.wall(),
         )
 
     async def settle(

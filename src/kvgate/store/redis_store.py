@@ -448,6 +448,12 @@ class RedisStore:
             )
         return decision
 
+    async def precheck(
+        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+    ) -> Decision | None:
+        # Every check is a round trip here: the full decision is one round trip anyway.
+        return None
+
     async def settle(
         self,
         reservation: Reservation,
