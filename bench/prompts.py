@@ -13,53 +13,10 @@ import json
 from pathlib import Path
 
 from bench.loadgen import MARKER
+from vllm_sim.tokenization import SINGLE_TOKEN_WORDS as SIMULATOR_WORDS
 
-_WORDS = (
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "and",
-    "dog",
-    "ran",
-    "to",
-    "park",
-    "while",
-    "it",
-    "was",
-    "sunny",
-    "out",
-    "there",
-    "people",
-    "like",
-    "walk",
-    "in",
-    "evening",
-    "when",
-    "water",
-    "is",
-    "calm",
-    "near",
-    "old",
-    "town",
-    "each",
-    "day",
-    "we",
-    "find",
-    "more",
-    "time",
-    "for",
-    "good",
-    "work",
-    "with",
-    "friends",
-    "who",
-    "make",
-    "things",
-    "better",
-)
+# The simulator's own single-token words: prompts built from them have known token counts.
+_WORDS = SIMULATOR_WORDS
 # Chat template + role markers + the request id marker, in tokens (measured: 1,000 words
 # come to 1,028 prompt tokens).
 _OVERHEAD_TOKENS = 28

@@ -67,6 +67,8 @@ _WORDS: tuple[str, ...] = (
     "things",
     "better",
 )
+# Public: tools that build prompts of known token counts use the same words.
+SINGLE_TOKEN_WORDS = _WORDS
 
 _CONTENT_LOOP = re.compile(
     r"\{%-?\s*for\s+\w+\s+in\s+(?:message|msg|m)\s*(?:\.\s*content|\[\s*['\"]content['\"]\s*\])"

@@ -24,6 +24,29 @@ def _retry_after(
     return max(MIN_RETRY_AFTER_S, violation.retry_after_s)
 
 
+def _rejection(
+    candidates: list[tuple[Reason, float | None, str]],
+    violations: list[Violation],
+    policy: TenantPolicy,
+    state: TenantState,
+    now: float,
+    budget_left: int | None,
+) -> Decision:
+    """Name the broken limit that keeps the request out the longest (None = for ever)."""
+    reason, retry_after, detail = max(
+        candidates, key=lambda c: float("inf") if c[1] is None else c[1]
+    )
+    return Decision(
+        admitted=False,
+        reason=reason,
+        retry_after_s=retry_after,
+        detail=detail,
+        violations=tuple(violations),
+        rate_limits=tenant_limits.rate_limit_view(policy, state, now),
+        budget_left_pico=budget_left,
+    )
+
+
 def admit(
     request: AdmissionRequest,
     *,
@@ -63,18 +86,7 @@ def admit(
             (backend_rejection.reason, backend_rejection.retry_after_s, backend_rejection.detail)
         )
     if candidates:
-        reason, retry_after, detail = max(
-            candidates, key=lambda c: float("inf") if c[1] is None else c[1]
-        )
-        return Decision(
-            admitted=False,
-            reason=reason,
-            retry_after_s=retry_after,
-            detail=detail,
-            violations=tuple(violations),
-            rate_limits=tenant_limits.rate_limit_view(policy, state, now),
-            budget_left_pico=budget_left,
-        )
+        return _rejection(candidates, violations, policy, state, now, budget_left)
     hold = tenant_limits.apply(
         policy,
         state,
@@ -127,18 +139,8 @@ def precheck(
     ]
     if not candidates:
         return None
-    reason, retry_after, detail = max(
-        candidates, key=lambda c: float("inf") if c[1] is None else c[1]
-    )
-    return Decision(
-        admitted=False,
-        reason=reason,
-        retry_after_s=retry_after,
-        detail=detail,
-        violations=tuple(violations),
-        rate_limits=tenant_limits.rate_limit_view(policy, state, now),
-        budget_left_pico=tenant_limits.budget_left_pico(policy, state, wall),
-    )
+    budget_left = tenant_limits.budget_left_pico(policy, state, wall)
+    return _rejection(candidates, violations, policy, state, now, budget_left)
 
 
 def settle_tenant(
