@@ -119,6 +119,10 @@ def _category(frame: str) -> str:
     """Where a leaf frame's time goes, coarsely: a library, a syscall, or Python code."""
     name, _, where = frame.partition(" (")
     where = where.rstrip(")")
+    if name == "Runner.run":
+        # Without --native, time below the loop's Python frames (uvloop, gRPC's C core and
+        # Cython, protobuf, syscalls) is charged to the frame that started the loop.
+        return "native: uvloop + gRPC core + protobuf + syscalls"
     for needle, label in _NATIVE_GROUPS:
         if needle in where:
             return label

@@ -244,10 +244,11 @@ def summary_tables(rows: Sequence[Row], meta: dict[str, Any]) -> tuple[str, list
                 x99 = a99.get((level, arm), Spread.of([]))
                 err = sum(_num(r, "errors") for r in rs)
                 rps = spread(rs, "achieved_rps")
+                over = any(r.get("overloaded") is True for r in rs)
                 body.append(
                     [
                         f"{level:.0%}",
-                        arm,
+                        f"{arm} (over its peak: 1 round, 3 s)" if over else arm,
                         f"{rps.median:.0f}",
                         p50.fmt(),
                         p99.fmt(),

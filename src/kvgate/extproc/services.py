@@ -141,8 +141,7 @@ class GatewayServices:
         used = usage.prompt_tokens + usage.output_tokens
         m.reserved_unused_tokens.labels(request.backend).inc(max(0, reservation.kv_tokens - used))
         self.refresh_backend_gauges(request.backend)
-        # Per request: DEBUG (Envoy's access log is the per-request record; formatting a
-        # JSON line per request cost ~10% of the event loop under load).
+        # Per request: DEBUG (Envoy's access log is the per-request record).
         log.debug(
             "settled",
             extra={
