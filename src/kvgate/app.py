@@ -198,7 +198,12 @@ class KvgateServer:
 
         host, _, port = server_cfg.http_listen.rpartition(":")
         self._http = web.AppRunner(
-            create_http_app(self.metrics, lambda: self._ready, self._all_tenants_usage),
+            create_http_app(
+                self.metrics,
+                lambda: self._ready,
+                self._all_tenants_usage,
+                before_scrape=self.services.refresh_backend_gauges,
+            ),
             access_log=None,
         )
         await self._http.setup()

@@ -140,7 +140,6 @@ class GatewayServices:
             m.cost_usd.labels(request.tenant, request.model).inc(cost_pico / PICO_PER_USD)
         used = usage.prompt_tokens + usage.output_tokens
         m.reserved_unused_tokens.labels(request.backend).inc(max(0, reservation.kv_tokens - used))
-        self.refresh_backend_gauges(request.backend)
         # Per request: DEBUG (Envoy's access log is the per-request record).
         log.debug(
             "settled",
@@ -179,14 +178,17 @@ class GatewayServices:
             if view.remaining_requests is not None:
                 self.metrics.tenant_remaining_requests.labels(tenant).set(view.remaining_requests)
 
-    def refresh_backend_gauges(self, backend: str) -> None:
-        self.track(self._refresh_backend_gauges(backend))
-
-    async def _refresh_backend_gauges(self, backend: str) -> None:
-        for status in await self.store.backend_status():
-            if status.name == backend:
-                self.metrics.kv_tokens_in_flight.labels(backend).set(status.kv_tokens_in_flight)
-                self.metrics.requests_in_flight.labels(backend).set(status.requests_in_flight)
+    async def refresh_backend_gauges(self) -> None:
+        """Read in-flight work from the store when /metrics is scraped, not per request:
+        with a shared store that would be one more round trip on every admit and settle."""
+        try:
+            statuses = await self.store.backend_status()
+        except Exception:
+            log.warning("backend status unavailable; gauges keep their last values")
+            return
+        for status in statuses:
+            self.metrics.kv_tokens_in_flight.labels(status.name).set(status.kv_tokens_in_flight)
+            self.metrics.requests_in_flight.labels(status.name).set(status.requests_in_flight)
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for settlements still running (shutdown)."""

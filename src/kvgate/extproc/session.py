@@ -304,7 +304,6 @@ class StreamSession:
         self.phase = Phase.FORWARDED
         self._last_renewal = self._svc.clock.now()
         self._svc.metrics.requests.labels("admitted", Reason.ADMITTED.value).inc()
-        self._svc.refresh_backend_gauges(admitted.route.backend)
 
         # Exact output counts need the usage event; when the client did not ask for it, the
         # response filter strips it again before the client sees it. An observability stream

@@ -15,8 +15,11 @@ def create_http_app(
     metrics: Metrics,
     is_ready: Callable[[], bool],
     usage_report: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+    before_scrape: Callable[[], Awaitable[None]] | None = None,
 ) -> web.Application:
     async def metrics_handler(_: web.Request) -> web.Response:
+        if before_scrape is not None:
+            await before_scrape()
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
