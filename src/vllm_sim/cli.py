@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -58,6 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a 'stop' finish shows all its tokens instead of ending on a hidden EOS",
     )
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (else VLLM_API_KEY, as vLLM)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs/top_logprobs a request may ask for (vLLM's default 20)",
+    )
+    p.add_argument(
+        "--request-history",
+        type=int,
+        default=1000,
+        help="how many /v1/* requests GET /sim/requests remembers",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -75,6 +94,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         force_include_usage=args.force_include_usage,
         eos_on_stop=not args.no_eos_token,
+        # vLLM: --api-key wins over VLLM_API_KEY; empty keys are dropped.
+        api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k),
+        max_logprobs=args.max_logprobs,
+        request_history=args.request_history,
     )
 
 

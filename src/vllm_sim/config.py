@@ -38,6 +38,12 @@ class SimConfig:
     eos_on_stop: bool = True
     # How many finished requests /sim/stats remembers.
     served_history: int = 1000
+    # vLLM's --api-key (or VLLM_API_KEY): when set, /v1/* needs "Bearer <one of them>".
+    api_keys: tuple[str, ...] = ()
+    # vLLM's --max-logprobs: the most (top_)logprobs a request may ask for.
+    max_logprobs: int = 20
+    # How many arriving /v1/* requests /sim/requests remembers.
+    request_history: int = 1000
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -52,6 +58,10 @@ class SimConfig:
             raise ValueError("default_output_tokens must be >= 1")
         if self.ttft_ms < 0 or self.itl_ms < 0:
             raise ValueError("latencies must be >= 0")
+        if self.max_logprobs < -1:
+            raise ValueError("max_logprobs must be >= -1")
+        if self.request_history < 1:
+            raise ValueError("request_history must be >= 1")
 
     @property
     def gpu_blocks(self) -> int:

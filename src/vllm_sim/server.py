@@ -26,6 +26,7 @@ from vllm_sim import protocol
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import KVEngine, SimRequest
 from vllm_sim.metrics import SimMetrics
+from vllm_sim.record import RequestLog, RequestRecord
 from vllm_sim.tokenization import PromptError, SimTokenizer
 from vllm_sim.validation import (
     ChatRequest,
@@ -44,6 +45,9 @@ log = logging.getLogger("vllm_sim")
 
 SIM_KEY = web.AppKey("vllm_sim", "VllmSim")
 DISCONNECT_POLL_S = 0.02
+RECORD_KEY = web.RequestKey("vllm_sim_record", RequestRecord)
+# vLLM's AuthenticationMiddleware answers with a bare Starlette JSONResponse.
+UNAUTHORIZED_BODY = b'{"error":"Unauthorized"}'
 
 
 def _json_response(body: Any, status: int = 200) -> web.Response:
@@ -69,9 +73,12 @@ async def _http_errors(request: web.Request, handler: Any) -> web.StreamResponse
         return _json_response(body, exc.status)
 
 
-async def _uvicorn_server_header(_request: web.Request, response: web.StreamResponse) -> None:
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
     # vLLM runs under uvicorn; look the part down to the Server header.
     response.headers["Server"] = "uvicorn"
+    record: RequestRecord | None = request.get(RECORD_KEY)
+    if record is not None:
+        record.status = response.status
 
 
 class DisconnectWatcher:
@@ -208,6 +215,8 @@ class VllmSim:
         # concurrent use of one instance.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-sim-tok")
         self._watcher = DisconnectWatcher()
+        self.requests = RequestLog(capacity=config.request_history)
+        self._auth_values = frozenset(f"Bearer {key}" for key in config.api_keys)
         if self.max_model_len < config.max_model_len:
             log.warning(
                 "KV capacity %d tokens < max_model_len %d: serving max_model_len=%d",
@@ -219,8 +228,12 @@ class VllmSim:
     # --- plumbing ------------------------------------------------------------------
 
     def create_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_http_errors])
-        app.on_response_prepare.append(_uvicorn_server_header)
+        @web.middleware
+        async def front(request: web.Request, handler: Any) -> web.StreamResponse:
+            return await self._front(request, handler)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[front, _http_errors])
+        app.on_response_prepare.append(_on_prepare)
         app[SIM_KEY] = self
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
@@ -230,6 +243,7 @@ class VllmSim:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/sim/stats", self.sim_stats)
+        app.router.add_get("/sim/requests", self.sim_requests)
         app.router.add_post("/sim/reset", self.sim_reset)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -240,6 +254,25 @@ class VllmSim:
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _front(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Record every /v1/* arrival, then vLLM's API-key check (same paths).
+
+        vLLM checks ``Authorization`` against ``Bearer <key>`` on every path that
+        starts with /v1 (OPTIONS excepted), before routing; /health, /metrics and
+        /sim/* stay open.
+        """
+        path = request.path
+        if not path.startswith("/v1"):
+            return await handler(request)
+        request[RECORD_KEY] = self.requests.add(request.method, path, request.headers)
+        if (
+            self._auth_values
+            and request.method != "OPTIONS"
+            and request.headers.get("Authorization") not in self._auth_values
+        ):
+            return web.Response(body=UNAUTHORIZED_BODY, status=401, content_type="application/json")
+        return await handler(request)
 
     def _check_model(self, common: CommonParams) -> None:
         # vLLM: a missing/empty model means the served one.
@@ -269,6 +302,8 @@ class VllmSim:
 
     async def sim_stats(self, _request: web.Request) -> web.Response:
         snap = self.engine.snapshot()
+        snap["http_requests_total"] = self.requests.total
+        snap["generation_requests_total"] = self.requests.generation_total
         snap["config"] = {
             "served_model_name": self.config.served_model_name,
             "max_model_len": self.max_model_len,
@@ -278,8 +313,19 @@ class VllmSim:
         }
         return _json_response(snap)
 
+    async def sim_requests(self, request: web.Request) -> web.Response:
+        raw = request.query.get("limit")
+        try:
+            limit = int(raw) if raw is not None else None
+        except ValueError:
+            return _json_response(
+                protocol.error_body(f"invalid limit: {raw!r}", "BadRequestError", 400), 400
+            )
+        return _json_response(self.requests.to_json(limit))
+
     async def sim_reset(self, _request: web.Request) -> web.Response:
         self.engine.reset_stats()
+        self.requests.clear()
         self.metrics = SimMetrics(self.config, self.engine)
         self.engine.listener = self.metrics
         return _json_response({"ok": True})
@@ -287,9 +333,18 @@ class VllmSim:
     # --- generation routes --------------------------------------------------------------
 
     async def _read(self, request: web.Request) -> tuple[dict[str, Any], Steering]:
+        record: RequestRecord | None = request.get(RECORD_KEY)
         steering = Steering.from_headers(request.headers, self.config)
         if steering.error_status is not None:
             status = steering.error_status
+            if record is not None:
+                # Still show what was sent; the simulated error wins over a bad body.
+                with contextlib.suppress(RequestError):
+                    record.note_body(
+                        parse_json_body(
+                            await request.read(), request.headers.get("Content-Type", "")
+                        )
+                    )
             raise RequestError(
                 status,
                 protocol.error_body(
@@ -300,6 +355,8 @@ class VllmSim:
             )
         raw = await request.read()
         body = parse_json_body(raw, request.headers.get("Content-Type", ""))
+        if record is not None:
+            record.note_body(body)
         return body, steering
 
     def _base_id(self, request: web.Request, common: CommonParams) -> str:
