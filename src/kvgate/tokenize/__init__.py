@@ -5,7 +5,7 @@ from kvgate.tokenize.counter import PromptCounter
 from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
 from kvgate.tokenize.loader import resolve_tokenizer_dir
 from kvgate.tokenize.messages import normalize_tools, parse_messages
-from kvgate.tokenize.service import CacheStats, TokenizerService
+from kvgate.tokenize.service import CacheStats, TokenizerBusy, TokenizerService
 
 __all__ = [
     "CacheStats",
@@ -13,6 +13,7 @@ __all__ = [
     "ContentFormat",
     "PromptCounter",
     "PromptRenderError",
+    "TokenizerBusy",
     "TokenizerLoadError",
     "TokenizerService",
     "detect_content_format",

@@ -1,27 +1,76 @@
 """The async facade the gRPC server uses to count tokens without blocking its loop.
 
-Rendering and tokenizing run in a thread pool: the Rust tokenizer releases the GIL
-while it encodes, and even the canonical JSON + hash of a large request is done off the
-loop. Results are kept in a bounded LRU keyed by a digest of (model, kind, inputs), so
-identical prompts (retries, fan-out of one conversation) are counted once.
+Rendering and tokenizing run on worker threads: the Rust tokenizer releases the GIL while
+it encodes, and even the canonical JSON + hash of a large request is done off the loop.
+Results are kept in a bounded LRU keyed by a digest of (model, kind, inputs), so identical
+prompts (retries, fan-out of one conversation) are counted once.
+
+The workers are shared by every tenant, so they are scheduled fairly instead of FIFO:
+
+* each tenant has its own queue, and the next job is the one with the smallest start tag
+  of start-time fair queueing weighted by cost (about the input's bytes): a tenant that
+  queued 18 MB of prompts cannot push another tenant's 1 KB count behind all of it;
+* a large job (cost >= ``large_job_cost``) never takes the last ``reserved_workers``
+  threads, so huge prompts cannot occupy every worker and a small count waits at most for
+  another small one (a 6 MB chat prompt holds a worker for seconds);
+* a job whose caller was cancelled (client gone, deadline) is dropped before it runs; one
+  already running finishes, and its result is discarded;
+* one tenant's outstanding work (queued + running) is bounded; past the bound the call
+  raises ``TokenizerBusy`` with a retry hint, to be answered with a 429.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import itertools
 import json
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 from kvgate.tokenize.counter import PromptCounter
 from kvgate.tokenize.errors import PromptRenderError
 
 THREAD_NAME_PREFIX = "kvgate-tokenize"
+
+T = TypeVar("T")
+
+# Per tenant, queued + running. 32 MiB lets a tenant have a few of the largest bodies Envoy
+# buffers in flight, not a backlog that takes minutes to drain.
+DEFAULT_MAX_JOBS_PER_TENANT = 64
+DEFAULT_MAX_COST_PER_TENANT = 32 * 1024 * 1024
+# About 0.1 s of rendering + encoding: above this a job may not take the reserved workers.
+DEFAULT_LARGE_JOB_COST = 256 * 1024
+DEFAULT_RESERVED_WORKERS = 1
+# Cost units (input bytes) one worker gets through per second, until measured: a 6 MB
+# chat prompt takes about 2-3 s.
+_INITIAL_RATE = 2_000_000.0
+# Only jobs this big say something about throughput (small ones are all overhead).
+_RATE_SAMPLE_MIN_COST = 64 * 1024
+# How much of the input structure the fallback cost estimate walks on the event loop.
+_COST_WALK_NODES = 10_000
+
+
+class TokenizerBusy(Exception):
+    """A tenant already has as much tokenizing work outstanding as it may: answer 429.
+
+    ``retry_after_s`` estimates when the tenant's own outstanding work will have drained.
+    """
+
+    def __init__(self, tenant: str, jobs: int, cost: int, retry_after_s: float) -> None:
+        super().__init__(
+            f"tenant '{tenant}' already has {jobs} prompts ({cost} bytes) waiting to be "
+            f"tokenized; retry in {retry_after_s:.1f} s"
+        )
+        self.tenant = tenant
+        self.jobs = jobs
+        self.cost = cost
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -61,6 +110,12 @@ class _LRU:
             while len(self._data) > self.capacity:
                 self._data.popitem(last=False)
 
+    def resize(self, capacity: int) -> None:
+        with self._lock:
+            self.capacity = capacity
+            while len(self._data) > max(capacity, 0):
+                self._data.popitem(last=False)
+
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self.hits, self.misses, len(self._data), self.capacity)
@@ -83,14 +138,278 @@ def _digest(model: str, kind: str, payload: Any) -> bytes:
     return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-class TokenizerService:
-    """Counts tokens for registered models on a worker pool, with an LRU in front."""
+def approx_cost(*values: Any) -> int:
+    """A cheap estimate of an input's size in bytes, for when the caller has no body length.
 
-    def __init__(self, *, max_workers: int = 4, cache_size: int = 4096) -> None:
+    Strings count their length, containers their number of items; only the first
+    ``_COST_WALK_NODES`` nodes are walked, so this stays cheap on the event loop.
+    """
+    total = 0
+    stack = list(values)
+    walked = 0
+    while stack:
+        item = stack.pop()
+        walked += 1
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict | list | tuple):
+            total += len(item)
+            if walked + len(stack) + len(item) <= _COST_WALK_NODES:
+                stack.extend(item.values() if isinstance(item, dict) else item)
+        else:
+            total += 1
+    return max(1, total)
+
+
+@dataclass(eq=False)
+class _Job:
+    tenant: str
+    cost: int
+    tag: float  # start tag: the tenant's virtual start time
+    seq: int  # ties go to the earlier submission
+    work: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    large: bool
+    state: str = "queued"  # queued -> running -> done, or queued -> dropped
+
+
+@dataclass(eq=False)
+class _TenantQueue:
+    queue: deque[_Job] = field(default_factory=deque)
+    finish: float = 0.0  # virtual finish time of the tenant's last submitted job
+    jobs: int = 0  # queued + running
+    cost: int = 0
+
+
+def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():  # the caller was cancelled meanwhile: nobody waits for this
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+class _FairScheduler:
+    """Worker threads that take jobs from per-tenant queues by start-time fair queueing."""
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        max_jobs_per_tenant: int,
+        max_cost_per_tenant: int,
+        large_job_cost: int,
+        reserved_workers: int,
+    ) -> None:
+        self.max_jobs_per_tenant = max_jobs_per_tenant
+        self.max_cost_per_tenant = max_cost_per_tenant
+        self.large_job_cost = large_job_cost
+        self.reserved_workers = reserved_workers
+        self._cond = threading.Condition()
+        self._tenants: dict[str, _TenantQueue] = {}
+        self._vtime = 0.0
+        self._seq = itertools.count()
+        self._names = itertools.count()
+        self._target = 0
+        self._live = 0
+        self._large_running = 0
+        self._rate = _INITIAL_RATE
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self.resize(workers)
+
+    @property
+    def workers(self) -> int:
+        return self._target
+
+    def resize(self, workers: int) -> None:
+        """Grow now; shrink as workers finish their current job."""
+        if workers < 1:
+            raise ValueError("a tokenizer needs at least one worker thread")
+        with self._cond:
+            if self._closed:
+                return
+            self._target = workers
+            self._threads = [t for t in self._threads if t.is_alive()]
+            while self._live < workers:
+                self._live += 1
+                thread = threading.Thread(
+                    target=self._worker,
+                    name=f"{THREAD_NAME_PREFIX}_{next(self._names)}",
+                    daemon=True,
+                )
+                self._threads.append(thread)
+                thread.start()
+            self._cond.notify_all()
+
+    def pending(self, tenant: str) -> tuple[int, int]:
+        """(jobs, cost) the tenant has queued or running."""
+        with self._cond:
+            state = self._tenants.get(tenant)
+            return (state.jobs, state.cost) if state else (0, 0)
+
+    def submit(self, tenant: str, work: Callable[[], Any], cost: int, *, bounded: bool) -> _Job:
+        loop = asyncio.get_running_loop()
+        cost = max(1, int(cost))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("TokenizerService is closed")
+            state = self._tenants.get(tenant)
+            if state is None:
+                state = self._tenants[tenant] = _TenantQueue()
+            # A tenant with nothing outstanding is always served, however big the job:
+            # the bound limits a backlog, not the size of one request.
+            if (
+                bounded
+                and tenant
+                and state.jobs > 0
+                and (
+                    state.jobs >= self.max_jobs_per_tenant
+                    or state.cost + cost > self.max_cost_per_tenant
+                )
+            ):
+                raise TokenizerBusy(tenant, state.jobs, state.cost, self._retry_after(state))
+            start = max(self._vtime, state.finish)
+            state.finish = start + cost
+            job = _Job(
+                tenant=tenant,
+                cost=cost,
+                tag=start,
+                seq=next(self._seq),
+                work=work,
+                loop=loop,
+                future=loop.create_future(),
+                large=cost >= self.large_job_cost,
+            )
+            state.queue.append(job)
+            state.jobs += 1
+            state.cost += cost
+            self._cond.notify_all()
+        return job
+
+    def drop(self, job: _Job) -> None:
+        """The caller is gone: a queued job never runs (a running one just finishes)."""
+        with self._cond:
+            if job.state == "queued":
+                self._tenants[job.tenant].queue.remove(job)
+                self._retire(job, "dropped")
+
+    def close(self, *, wait: bool) -> None:
+        with self._cond:
+            self._closed = True
+            queued = [job for state in self._tenants.values() for job in state.queue]
+            for job in queued:
+                self._tenants[job.tenant].queue.remove(job)
+                self._retire(job, "dropped")
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for job in queued:
+            self._resolve(job, False, RuntimeError("TokenizerService is closed"))
+        if wait:
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join()
+
+    # -- worker side (the lock is held where noted) --------------------------------------
+
+    def _retry_after(self, state: _TenantQueue) -> float:
+        # Roughly when the tenant's own backlog is through, on one worker.
+        return max(1.0, state.cost / self._rate)
+
+    def _retire(self, job: _Job, final: str) -> None:  # lock held
+        job.state = final
+        state = self._tenants[job.tenant]
+        state.jobs -= 1
+        state.cost -= job.cost
+        if state.jobs == 0:
+            del self._tenants[job.tenant]
+
+    def _next(self) -> _Job | None:  # lock held
+        large_cap = max(1, self._target - self.reserved_workers)
+        best: _Job | None = None
+        for state in list(self._tenants.values()):
+            queue = state.queue
+            while queue and queue[0].future.cancelled():
+                # Cancelled before the caller's own clean-up ran: drop it here.
+                self._retire(queue.popleft(), "dropped")
+            if not queue:
+                continue
+            head = queue[0]
+            if head.large and self._large_running >= large_cap:
+                continue
+            if best is None or (head.tag, head.seq) < (best.tag, best.seq):
+                best = head
+        if best is None:
+            return None
+        self._tenants[best.tenant].queue.popleft()
+        best.state = "running"
+        self._vtime = max(self._vtime, best.tag)
+        if best.large:
+            self._large_running += 1
+        return best
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed or self._live > self._target:
+                        self._live -= 1
+                        return
+                    job = self._next()
+                    if job is not None:
+                        break
+                    self._cond.wait()
+            started = time.perf_counter()
+            try:
+                value, ok = job.work(), True
+            except Exception as exc:  # delivered to the awaiting caller
+                value, ok = exc, False
+            elapsed = time.perf_counter() - started
+            with self._cond:
+                if job.large:
+                    self._large_running -= 1
+                self._retire(job, "done")
+                if job.cost >= _RATE_SAMPLE_MIN_COST and elapsed > 0:
+                    self._rate = 0.8 * self._rate + 0.2 * (job.cost / elapsed)
+                self._cond.notify_all()
+            self._resolve(job, ok, value)
+
+    @staticmethod
+    def _resolve(job: _Job, ok: bool, value: Any) -> None:
+        # A closed loop raises RuntimeError: nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            job.loop.call_soon_threadsafe(_settle, job.future, ok, value)
+
+
+class TokenizerService:
+    """Counts tokens for registered models on fairly shared workers, with an LRU in front.
+
+    Every counting call takes the ``tenant`` it works for (fair share and the per-tenant
+    bound), an optional ``cost`` (bytes of input; the request body's length is best,
+    otherwise it is estimated) and ``bounded`` (False for work that must not be refused,
+    like counting a finished answer's output at settlement).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_workers: int = 4,
+        cache_size: int = 4096,
+        max_jobs_per_tenant: int = DEFAULT_MAX_JOBS_PER_TENANT,
+        max_cost_per_tenant: int = DEFAULT_MAX_COST_PER_TENANT,
+        large_job_cost: int = DEFAULT_LARGE_JOB_COST,
+        reserved_workers: int = DEFAULT_RESERVED_WORKERS,
+    ) -> None:
         self._counters: dict[str, PromptCounter] = {}
         self._cache = _LRU(cache_size)
-        self._executor = ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix=THREAD_NAME_PREFIX
+        self._scheduler = _FairScheduler(
+            max_workers,
+            max_jobs_per_tenant=max_jobs_per_tenant,
+            max_cost_per_tenant=max_cost_per_tenant,
+            large_job_cost=large_job_cost,
+            reserved_workers=reserved_workers,
         )
         self._closed = False
 
@@ -118,6 +437,21 @@ class TokenizerService:
     def cache_stats(self) -> CacheStats:
         return self._cache.stats()
 
+    @property
+    def max_workers(self) -> int:
+        return self._scheduler.workers
+
+    def resize(self, *, max_workers: int | None = None, cache_size: int | None = None) -> None:
+        """Apply new ``tokenizer_threads`` / ``tokenizer_cache_entries`` (config reload)."""
+        if max_workers is not None:
+            self._scheduler.resize(max_workers)
+        if cache_size is not None:
+            self._cache.resize(cache_size)
+
+    def pending(self, tenant: str) -> tuple[int, int]:
+        """(jobs, cost) of the tenant's work that is queued or running."""
+        return self._scheduler.pending(tenant)
+
     # -- async counting API -------------------------------------------------------------
 
     async def count_chat(
@@ -130,6 +464,9 @@ class TokenizerService:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tenant: str = "",
+        cost: int | None = None,
+        bounded: bool = True,
     ) -> int:
         counter = self.counter(model)
         payload = {
@@ -151,25 +488,71 @@ class TokenizerService:
                 add_special_tokens=add_special_tokens,
             )
 
-        return await self._run(model, "chat", payload, work)
+        if cost is None:
+            cost = approx_cost(messages, tools)
+        return await self._count(tenant, cost, bounded, model, "chat", payload, work)
 
     async def count_completion(
-        self, model: str, prompt: str | list[int] | list[str] | list[list[int]]
+        self,
+        model: str,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        *,
+        tenant: str = "",
+        cost: int | None = None,
+        bounded: bool = True,
     ) -> int:
         """Prompt tokens of a completions request; a batch counts as the sum."""
         counter = self.counter(model)
-        return await self._run(
-            model, "completion", prompt, lambda: counter.count_completion(prompt)
+        if cost is None:
+            cost = approx_cost(prompt)
+        return await self._count(
+            tenant,
+            cost,
+            bounded,
+            model,
+            "completion",
+            prompt,
+            lambda: counter.count_completion(prompt),
         )
 
-    async def count_text(self, model: str, text: str) -> int:
+    async def count_text(
+        self,
+        model: str,
+        text: str,
+        *,
+        tenant: str = "",
+        cost: int | None = None,
+        bounded: bool = False,
+    ) -> int:
+        """Tokens of generated text. Not bounded by default: settlement must not be refused."""
         counter = self.counter(model)
-        return await self._run(model, "text", text, lambda: counter.count_text(text))
+        if cost is None:
+            cost = approx_cost(text)
+        return await self._count(
+            tenant, cost, bounded, model, "text", text, lambda: counter.count_text(text)
+        )
 
-    async def _run(self, model: str, kind: str, payload: Any, work: Callable[[], int]) -> int:
-        if self._closed:
-            raise RuntimeError("TokenizerService is closed")
+    async def run(
+        self, tenant: str, work: Callable[[], T], *, cost: int = 1, bounded: bool = True
+    ) -> T:
+        """Run ``work`` on a worker under the same fairness and bound (e.g. parsing a body).
 
+        Raises ``TokenizerBusy`` past the tenant's bound and ``RuntimeError`` once closed;
+        ``work``'s own exception propagates. If the caller is cancelled first, ``work``
+        never runs.
+        """
+        return await self._submit(tenant, work, cost, bounded)
+
+    async def _count(
+        self,
+        tenant: str,
+        cost: int,
+        bounded: bool,
+        model: str,
+        kind: str,
+        payload: Any,
+        work: Callable[[], int],
+    ) -> int:
         def job() -> int:
             key = _digest(model, kind, payload)
             cached = self._cache.get(key)
@@ -179,10 +562,19 @@ class TokenizerService:
             self._cache.put(key, value)
             return value
 
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, job)
+        return await self._submit(tenant, job, cost, bounded)
+
+    async def _submit(self, tenant: str, work: Callable[[], T], cost: int, bounded: bool) -> T:
+        if self._closed:
+            raise RuntimeError("TokenizerService is closed")
+        job = self._scheduler.submit(tenant, work, cost, bounded=bounded)
+        try:
+            return cast(T, await job.future)
+        except asyncio.CancelledError:
+            self._scheduler.drop(job)
+            raise
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop the worker pool; queued jobs are cancelled, running ones finish."""
+        """Stop the workers; queued jobs fail with RuntimeError, running ones finish."""
         self._closed = True
-        self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._scheduler.close(wait=wait)
