@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from decimal import Decimal
 from pathlib import Path
@@ -44,6 +45,15 @@ class ServerConfig(_Strict):
     tokenizer_cache_dir: str = "var/tokenizers"
     # The biggest response body kvgate keeps to read `usage` from a non-streamed answer.
     max_buffered_response_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    # Every admission decision is answered within this, with kvgate's own OpenAI-shaped
+    # error when it cannot finish in time: keep it below Envoy's ext_proc message_timeout
+    # (2 s in the shipped configs), or Envoy answers an empty 504 first.
+    decision_timeout_s: float = Field(default=1.5, gt=0, le=60)
+    # What a request cut before its end costs (client gone, Envoy timeout, shutdown) once the
+    # backend accepted it (2xx headers): "backend_work" charges the prompt (the prefill was
+    # done) plus the output seen, at least one token per content event; "visible_text" is the
+    # older rule: nothing unless answer text reached the client, then prompt + counted text.
+    cut_request_charge: Literal["backend_work", "visible_text"] = "backend_work"
     grpc_max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=4 * 1024 * 1024)
 
     @field_validator("grpc_listen", "http_listen", "admin_listen")
@@ -226,6 +236,11 @@ class BackendConfig(_Strict):
     max_concurrent_requests: int = Field(default=256, gt=0)
     discovery: DiscoveryConfig | None = None
     backpressure: BackpressureConfig | None = None
+    # The backend's own API key (vLLM --api-key), sent as `Authorization: Bearer` on every
+    # request kvgate forwards to it. Tenants' keys never reach a backend. `api_key_env` names
+    # an environment variable holding it, so the secret need not live in this file.
+    api_key: str | None = Field(default=None, min_length=1, repr=False)
+    api_key_env: str | None = Field(default=None, min_length=1)
 
     @field_validator("name")
     @classmethod
@@ -251,7 +266,17 @@ class BackendConfig(_Strict):
             raise ValueError("kv_budget_tokens must hold at least one KV block")
         if self.backpressure is not None and self.discovery is None:
             raise ValueError("backpressure needs a discovery.metrics_url to read load from")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"api_key_env: environment variable {self.api_key_env} is not set")
         return self
+
+    @property
+    def upstream_api_key(self) -> str | None:
+        if self.api_key_env is not None:
+            return os.environ.get(self.api_key_env)
+        return self.api_key
 
 
 class SentinelConfig(_Strict):

@@ -7,7 +7,7 @@ of an old config and half of a new one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvgate.config.model import KvgateConfig, LimitsConfig, ModelConfig, TenantConfig
@@ -44,6 +44,8 @@ class RuntimeSnapshot:
     config: KvgateConfig
     # Backends whose KV budget is discovered from vLLM (their kv_budget_tokens here is 0).
     auto_budget: frozenset[str] = frozenset()
+    # backend -> its own API key, for backends that need one (never a tenant's key).
+    upstream_keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def _route(model: ModelConfig) -> ModelRoute:
@@ -118,6 +120,9 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
         ),
         config=config,
         auto_budget=frozenset(b.name for b in config.backends if b.kv_budget_tokens == "auto"),
+        upstream_keys=MappingProxyType(
+            {b.name: key for b in config.backends if (key := b.upstream_api_key)}
+        ),
     )
 
 

@@ -4,6 +4,7 @@ budget action (block, fall back to a cheaper model, or clamp max_tokens) when mo
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from kvgate.config.snapshot import ModelRoute, RuntimeSnapshot
@@ -11,6 +12,7 @@ from kvgate.extproc.ratelimit_headers import rate_limit_headers
 from kvgate.extproc.services import GatewayServices
 from kvgate.openai import ApiError, ParsedRequest
 from kvgate.openai import errors as api_errors
+from kvgate.openai.requests import PromptBound, prompt_lower_bound
 from kvgate.policy import (
     AdmissionRequest,
     BackendLimits,
@@ -23,6 +25,17 @@ from kvgate.policy import (
 )
 from kvgate.store import StoreUnavailable
 from kvgate.tokenize import PromptRenderError
+
+# Rejections a lower bound on the prompt answers exactly: they do not depend on its size
+# (or, for a request larger than the whole bucket, no wait can help).
+_SIZE_INDEPENDENT_REJECTIONS = frozenset(
+    {
+        Reason.RPM_EXCEEDED,
+        Reason.CONCURRENCY_LIMIT,
+        Reason.CONCURRENCY_EXCEEDED,
+        Reason.REQUEST_EXCEEDS_TPM,
+    }
+)
 
 FALLBACK_HEADER = "x-kvgate-fallback"
 CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
@@ -96,62 +109,101 @@ class AdmissionPlanner:
         limits = self._backend_limits(route.backend)
         sequences = request.num_sequences
         max_new = request.max_new_tokens or 1
+        bound = self._prompt_lower_bound(request, route.name)
+        if bound.longest + (request.max_new_tokens or 0) > route.max_context or (
+            bound.longest >= route.max_context
+        ):
+            # Cannot fit whatever its exact count: refuse before paying for tokenizing.
+            raise AdmissionRejected(
+                api_errors.context_length_exceeded(
+                    bound.longest,
+                    request.max_new_tokens,
+                    route.max_context,
+                    param="messages" if request.kind == "chat" else "prompt",
+                    at_least=not bound.exact,
+                ),
+                Reason.CONTEXT_LENGTH_EXCEEDED,
+            )
         lower_bound = AdmissionRequest(
             request_id=request_id,
             tenant=tenant.name,
             model=route.name,
             backend=route.backend,
-            prompt_tokens=1,
+            prompt_tokens=bound.total,
             max_new_tokens=max_new,
             choices=sequences,
-            cost_pico=route.pricing.worst_case(1, max_new * sequences),
+            cost_pico=route.pricing.worst_case(bound.total, max_new * sequences),
         )
         try:
             early = await self._svc.store.precheck(lower_bound, limits, tenant)
         except StoreUnavailable:
             return  # the full decision below answers with the store's failure policy
-        if early is None:
+        if early is None or early.reason not in _SIZE_INDEPENDENT_REJECTIONS:
+            # A token or money shortfall depends on the exact size: the full decision
+            # answers it, so its Retry-After and message are those of the real request
+            # (a wait computed for a lower bound would be refused again).
             return
-        if (
-            early.reason is Reason.BUDGET_EXCEEDED
-            and tenant.budget_action is not BudgetAction.BLOCK
-        ):
-            return  # a fallback or a clamp may still serve it: take the full path
         self._svc.record_violations(tenant.name, early)
         raise AdmissionRejected(_rejection_error(early), early.reason, early)
+
+    def _prompt_lower_bound(self, request: ParsedRequest, model: str) -> PromptBound:
+        """Prompt tokens the request needs at least, from its text length alone."""
+        try:
+            per_token = self._svc.tokenizers.counter(model).max_token_chars
+        except KeyError:
+            return PromptBound(total=1, longest=1, exact=False)
+        return prompt_lower_bound(request, per_token)
 
     async def _size(
         self, request: ParsedRequest, route: ModelRoute, requested_max_new: int | None
     ) -> _Sized:
-        prompt_tokens = await self._count(request, route.name)
+        counts = await self._count(request, route.name)
+        # The engine checks each prompt of a completions batch against the context on its
+        # own; the reservation holds them all.
+        longest, total = max(counts), sum(counts)
         plan = plan_new_tokens(
-            prompt_tokens, requested_max_new, route.default_max_new_tokens, route.max_context
+            longest, requested_max_new, route.default_max_new_tokens, route.max_context
         )
         if not plan.ok:
             raise AdmissionRejected(
                 api_errors.context_length_exceeded(
-                    prompt_tokens,
+                    longest,
                     plan.max_new_tokens,
                     route.max_context,
                     param="messages" if request.kind == "chat" else "prompt",
                 ),
                 Reason.CONTEXT_LENGTH_EXCEEDED,
             )
-        return _Sized(route, prompt_tokens, plan.max_new_tokens)
+        if request.min_tokens > plan.max_new_tokens:
+            # The engine would generate past the reserved cap (or refuse the request).
+            raise AdmissionRejected(
+                api_errors.invalid_request(
+                    f"min_tokens ({request.min_tokens}) must not exceed the completion's "
+                    f"token limit ({plan.max_new_tokens}).",
+                    param="min_tokens",
+                    code="invalid_value",
+                ),
+                Reason.INVALID_REQUEST,
+            )
+        return _Sized(route, total, plan.max_new_tokens)
 
-    async def _count(self, request: ParsedRequest, model: str) -> int:
+    async def _count(self, request: ParsedRequest, model: str) -> list[int]:
+        """Prompt tokens, one count per prompt the engine runs (several for a batch)."""
         tokenizers = self._svc.tokenizers
         try:
             if request.kind == "chat":
-                return await tokenizers.count_chat(
-                    model,
-                    request.messages,
-                    request.tools,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message,
-                    chat_template_kwargs=request.chat_template_kwargs,
-                )
-            return await tokenizers.count_completion(model, request.prompt)
+                return [
+                    await tokenizers.count_chat(
+                        model,
+                        request.messages or [],
+                        request.tools,
+                        add_generation_prompt=request.add_generation_prompt,
+                        continue_final_message=request.continue_final_message,
+                        chat_template_kwargs=request.chat_template_kwargs,
+                    )
+                ]
+            prompts = request.prompts()
+            return [await tokenizers.count_completion(model, prompt) for prompt in prompts]
         except PromptRenderError as exc:
             raise AdmissionRejected(
                 api_errors.invalid_request(
@@ -177,10 +229,18 @@ class AdmissionPlanner:
             ),
         )
         limits = self._backend_limits(sized.route.backend)
+        store = self._svc.store
         try:
-            decision = await self._svc.store.reserve(admission, limits, tenant)
+            decision = await store.reserve(admission, limits, tenant)
+        except asyncio.CancelledError:
+            # The stream went away (or the decision deadline passed) with the reserve in
+            # flight: it may have committed. Release whatever it took, in the background.
+            self._svc.track(store.abandon(admission))
+            raise
         except StoreUnavailable as exc:
-            # The shared store is down and the policy is fail_closed: 503, retry later.
+            # The reply was lost, not necessarily the reserve: release it once the store
+            # answers again. Then 503 (fail_closed): retry later.
+            self._svc.track(store.abandon(admission))
             raise AdmissionRejected(
                 api_errors.service_unavailable(
                     "kvgate cannot reach its shared state store to admit this request. "

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
 from kvgate.extproc.handoff import HandedOff, HandoffRegistry
+from kvgate.lifecycle import LeaseKeeper, ResponseReading, charged_usage
 from kvgate.metrics import Metrics
 from kvgate.policy import (
     ActualUsage,
@@ -23,6 +24,7 @@ from kvgate.policy import (
 )
 from kvgate.policy.pricing import PICO_PER_USD
 from kvgate.store import StateStore
+from kvgate.tokenize import PromptCounter
 
 log = logging.getLogger("kvgate.settle")
 
@@ -43,21 +45,7 @@ class PromptTokenizers(Protocol):
 
     async def count_text(self, model: str, text: str) -> int: ...
 
-
-def charged_usage(cause: SettleCause, usage: ActualUsage, *, streamed: bool) -> ActualUsage:
-    """What a tenant pays for, by how the request ended.
-
-    - completed: the backend's usage;
-    - upstream error: nothing (the engine produced no answer);
-    - cut short (client gone, Envoy timeout, shutdown): the prompt and the output tokens
-      that were streamed, if any answer text reached the client; nothing otherwise. So a
-      client that times out before its first token and retries is charged once.
-    """
-    if cause is SettleCause.COMPLETED:
-        return usage
-    if cause in (SettleCause.DISCONNECTED, SettleCause.SHUTDOWN) and streamed:
-        return usage
-    return ActualUsage(prompt_tokens=0, output_tokens=0)
+    def counter(self, model: str) -> PromptCounter: ...
 
 
 class GatewayServices:
@@ -78,6 +66,7 @@ class GatewayServices:
         self.clock = clock
         self.capacity = capacity or CapacityRegistry()
         self.handoffs = HandoffRegistry()
+        self.leases = LeaseKeeper(store, metrics, lambda: self.lease_renew_interval_s)
         self.shutting_down = False
         self._background: set[asyncio.Task[None]] = set()
 
@@ -97,13 +86,17 @@ class GatewayServices:
         self,
         reservation: Reservation,
         cause: SettleCause,
-        usage: ActualUsage,
+        charged: ActualUsage,
         *,
+        metered: bool = True,
         request_id: str = "",
-        streamed: bool = False,
         pricing: Pricing | None = None,
     ) -> asyncio.Task[None]:
-        charged = charged_usage(cause, usage, streamed=streamed)
+        """Book `charged` (what the billing rule decided) and release the reservation, in the
+        background so that it lands even if the stream is gone."""
+        self.leases.release(reservation.reservation_id)
+        if not metered:
+            self.metrics.unmetered_settlements.labels(reservation.request.backend).inc()
         cost = (pricing or Pricing()).cost(
             charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
         )
@@ -159,10 +152,14 @@ class GatewayServices:
         """A split-mode hand-off no observability stream claimed: the response was never
         observed, so nothing is charged (as for a request cut before its answer)."""
         self.metrics.stream_disconnects.labels("unclaimed_handoff").inc()
+        charged, metered = charged_usage(
+            SettleCause.DISCONNECTED, ResponseReading(), state.reservation
+        )
         self.settle(
             state.reservation,
             SettleCause.DISCONNECTED,
-            ActualUsage(prompt_tokens=0, output_tokens=0),
+            charged,
+            metered=metered,
             request_id=state.request_id,
             pricing=state.route.pricing,
         )
@@ -192,6 +189,7 @@ class GatewayServices:
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for settlements still running (shutdown)."""
+        self.leases.close()
         pending = set(self._background)
         if pending:
             await asyncio.wait(pending, timeout=timeout_s)

@@ -24,14 +24,32 @@ from kvgate.extproc.admission import AdmissionPlanner, AdmissionRejected
 from kvgate.extproc.handoff import METADATA_KEY, HandedOff
 from kvgate.extproc.services import GatewayServices
 from kvgate.extproc.usage_report import USAGE_PATH, tenant_usage_report
+from kvgate.lifecycle import CutRequestCharge, ResponseReading, charged_usage
 from kvgate.openai import (
     ApiError,
     ParsedRequest,
     SseStreamFilter,
     parse_request,
     rewrite_body,
-    usage_from_json_body,
 )
+
+try:  # TEMP-INTEGRATION
+    from kvgate.openai import JsonUsageScanner
+except ImportError:  # TEMP-INTEGRATION
+    from kvgate.openai import usage_from_json_body
+
+    class JsonUsageScanner:  # type: ignore[no-redef]  # TEMP-INTEGRATION
+        def __init__(self) -> None:
+            self._buf = bytearray()
+
+        def feed(self, chunk: bytes) -> None:
+            self._buf += chunk
+
+        @property
+        def usage(self):  # type: ignore[no-untyped-def]
+            return usage_from_json_body(bytes(self._buf))
+
+
 from kvgate.openai import errors as api_errors
 from kvgate.policy import (
     ActualUsage,
@@ -68,12 +86,22 @@ def _path_only(path: str) -> str:
     return path.split("?", 1)[0]
 
 
+# HTTP's optional whitespace (RFC 9110 5.6.3): the only padding trimmed from a credential.
+# str.strip() would also drop U+00A0, U+3000, U+2028, U+0085 ..., so "key\u3000" would
+# authenticate as "key".
+_OWS = " \t"
+# Tenant credentials: removed before a request goes upstream; a backend that needs a key
+# gets its own from kvgate's config.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key")
+
+
 def _api_key(headers: dict[str, str]) -> str | None:
     auth = headers.get("authorization", "")
-    scheme, _, token = auth.strip().partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    key = headers.get("x-api-key", "").strip()
+    scheme, _, token = auth.strip(_OWS).partition(" ")
+    token = token.strip(_OWS)
+    if scheme.lower() == "bearer" and token:
+        return token
+    key = headers.get("x-api-key", "").strip(_OWS)
     return key or None
 
 
@@ -90,6 +118,8 @@ class StreamSession:
         # Split response path (envoy-observability.yaml): this request-path stream will not
         # see the response; or this is the observability stream that does.
         self._response_elsewhere = False
+        # Admission needs the whole body in one message; Envoy says which mode it uses.
+        self._request_body_mode: int = _Mode.BUFFERED
         self.observer = False
         self._handed_off = False
         self._usage_injected = False
@@ -97,15 +127,12 @@ class StreamSession:
         self._body = bytearray()
         self._request: ParsedRequest | None = None
         self._prompt_tokens = 0
-        self._max_new_tokens = 0
         self.reservation: Reservation | None = None
         self._settling = False
         self._response_status = 0
         self._streaming_response = False
         self._sse: SseStreamFilter | None = None
-        self._response_body = bytearray()
-        self._response_body_overflow = False
-        self._last_renewal = 0.0
+        self._json_usage: JsonUsageScanner | None = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -116,6 +143,7 @@ class StreamSession:
         if message.HasField("protocol_config"):
             # Sent on a stream's first message: NONE means this filter never sees the response.
             self._response_elsewhere = message.protocol_config.response_body_mode == _Mode.NONE
+            self._request_body_mode = message.protocol_config.request_body_mode
         try:
             if kind == "request_headers":
                 return await self._on_request_headers(message.request_headers)
@@ -166,7 +194,6 @@ class StreamSession:
         self.tenant = state.tenant
         self.request_id = state.request_id
         self.phase = Phase.FORWARDED
-        self._last_renewal = self._svc.clock.now()
 
     def _hand_off(self) -> None:
         assert self.reservation is not None and self._route is not None
@@ -253,7 +280,7 @@ class StreamSession:
             self.phase = Phase.PASSTHROUGH
             self._svc.metrics.requests.labels("passthrough", Reason.PASSTHROUGH.value).inc()
             reply = messages.continue_request_headers(
-                {"x-kvgate-tenant": tenant}, forged, skip_rest=True
+                {"x-kvgate-tenant": tenant}, [*forged, *CREDENTIAL_HEADERS], skip_rest=True
             )
             reply.dynamic_metadata.CopyFrom(messages.metadata(self._metadata("passthrough")))
             return reply
@@ -268,23 +295,53 @@ class StreamSession:
                 api_errors.invalid_request("The request body is empty; expected JSON."),
                 Reason.INVALID_REQUEST,
             )
+        if self._request_body_mode != _Mode.BUFFERED:
+            # With STREAMED or partial bodies the first body message is not the whole body:
+            # admitting on it would let the rest through unmetered. A deployment error.
+            log.error("ext_proc request_body_mode must be BUFFERED for metered paths")
+            return self._reject(
+                ApiError(
+                    status=500,
+                    message="kvgate is misconfigured: it cannot meter this request.",
+                    type="server_error",
+                    code="internal_error",
+                    param=None,
+                ),
+                Reason.INTERNAL_ERROR,
+            )
         self.phase = Phase.REQUEST_BODY
-        return messages.continue_request_headers({"x-kvgate-tenant": tenant}, forged)
+        return messages.continue_request_headers(
+            {"x-kvgate-tenant": tenant}, [*forged, *CREDENTIAL_HEADERS]
+        )
 
     async def _on_request_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
         if self.phase is not Phase.REQUEST_BODY:
             return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        # In BUFFERED mode this one message is the whole body, whatever end_of_stream says:
+        # with HTTP/2 request trailers it arrives with end_of_stream=false (the trailers end
+        # the stream). So this message is the admission point, always; nothing that follows
+        # can carry more body.
         self._body += http.body
-        if not http.end_of_stream:
-            # BUFFERED mode sends one message; be tolerant of a split body anyway.
-            return pb.ProcessingResponse(request_body=pb.BodyResponse())
         started = time.perf_counter()
+        deadline = self._snapshot.config.server.decision_timeout_s
         try:
-            reply = await self._admit(bytes(self._body))
+            async with asyncio.timeout(deadline):
+                reply = await self._admit(bytes(self._body))
         except ApiError as error:
             reply = self._reject(error, _reason_for(error))
         except AdmissionRejected as rejected:
             reply = self._reject(rejected.error, rejected.reason)
+        except TimeoutError:
+            # Answer before Envoy's message timeout does (an empty 504): whatever the
+            # admission was waiting on was cancelled, and a reserve in flight is abandoned.
+            reply = self._reject(
+                api_errors.service_unavailable(
+                    f"kvgate could not decide on this request within {deadline:g} s "
+                    "(it is busy counting prompts). Please retry.",
+                    retry_after_s=1,
+                ),
+                Reason.DECISION_TIMEOUT,
+            )
         outcome = "admitted" if self.reservation is not None else "rejected"
         self._svc.metrics.decision_seconds.labels(outcome).observe(time.perf_counter() - started)
         return reply
@@ -299,10 +356,10 @@ class StreamSession:
         self.reservation = admitted.reservation
         self._route = admitted.route
         self._prompt_tokens = admitted.prompt_tokens
-        self._max_new_tokens = admitted.max_new_tokens
         self._client_headers = admitted.client_headers
         self.phase = Phase.FORWARDED
-        self._last_renewal = self._svc.clock.now()
+        # Renewed on a timer for as long as the request is open, chunks or not.
+        self._svc.leases.keep(admitted.reservation)
         self._svc.metrics.requests.labels("admitted", Reason.ADMITTED.value).inc()
 
         # Exact output counts need the usage event; when the client did not ask for it, the
@@ -314,18 +371,29 @@ class StreamSession:
         self._usage_injected = force_usage
         if self._response_elsewhere:
             self._hand_off()
+        # What is reserved is what the engine may generate: whenever the body does not
+        # already carry exactly the reserved cap (no max_tokens, null, a clamp, both names
+        # with different values), the cap is written into the forwarded body.
+        cap = admitted.max_new_tokens
+        exact = request.max_tokens_param is not None and request.max_new_tokens == cap
+        new_cap = None if exact and not request.conflicting_caps else cap
         new_body: bytes | None = None
-        if force_usage or admitted.new_model or admitted.new_max_tokens:
+        if force_usage or admitted.new_model or new_cap is not None:
             new_body = rewrite_body(
                 request.body,
                 model=admitted.new_model,
-                max_tokens=admitted.new_max_tokens,
+                max_tokens=new_cap,
                 force_usage=force_usage,
             )
+        route_headers = {
+            "x-kvgate-model": admitted.route.name,
+            "x-kvgate-backend": admitted.route.backend,
+        }
+        upstream_key = self._snapshot.upstream_keys.get(admitted.route.backend)
+        if upstream_key is not None:
+            route_headers["authorization"] = f"Bearer {upstream_key}"
         return messages.continue_request_body(
-            {"x-kvgate-model": admitted.route.name, "x-kvgate-backend": admitted.route.backend},
-            new_body=new_body,
-            dynamic_metadata=self._metadata("admitted"),
+            route_headers, new_body=new_body, dynamic_metadata=self._metadata("admitted")
         )
 
     def _reject(self, error: ApiError, reason: Reason) -> pb.ProcessingResponse:
@@ -362,12 +430,13 @@ class StreamSession:
         self._streaming_response = content_type.startswith("text/event-stream")
         if self._streaming_response and self._request is not None:
             self._sse = SseStreamFilter(strip_usage_event=self._usage_injected)
+        elif self._ok():
+            self._json_usage = JsonUsageScanner()
         if self.phase is Phase.FORWARDED:
             self.phase = Phase.RESPONSE_BODY
         if http.end_of_stream:
             # A body-less response (e.g. an upstream error with no body): settle now.
-            usage = self._usage_at_end() or await self._counted_usage()
-            await self._settle(self._end_cause(), usage)
+            await self._settle(self._end_cause())
         return messages.continue_response_headers(self._client_headers)
 
     async def _on_response_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
@@ -379,37 +448,26 @@ class StreamSession:
                 forwarded += self._sse.finish()
             if forwarded is not chunk and forwarded != chunk:
                 replacement = forwarded
-        elif not self._response_body_overflow:
-            limit = self._snapshot.config.server.max_buffered_response_bytes
-            if len(self._response_body) + len(chunk) <= limit:
-                self._response_body += chunk
-            else:
-                self._response_body_overflow = True
-                self._response_body.clear()
+        elif self._json_usage is not None:
+            # Bounded memory whatever the body's size: only `usage` is kept.
+            self._json_usage.feed(chunk)
 
         if not http.end_of_stream:
-            await self._maybe_renew_lease()
             return messages.continue_response_body(replacement)
 
-        usage = self._usage_at_end()
-        if usage is None:
-            # No usage from the backend: count what was streamed with the model's tokenizer.
-            usage = await self._counted_usage()
+        cause = self._end_cause()
         # Record the settlement before replying: the reply may never be read.
-        await self._settle(self._end_cause(), usage)
+        charged = await self._settle(cause)
         meta = self._metadata("admitted")
-        meta["output_tokens"] = usage.output_tokens
-        meta["settled"] = self._end_cause().value
-        if self._route is not None:
-            cost = self._route.pricing.cost(
-                usage.prompt_tokens, usage.output_tokens, usage.cached_tokens
-            )
-            meta["cost_usd"] = str(pico_to_usd(cost))
+        if charged is not None:
+            meta["output_tokens"] = charged.output_tokens
+            meta["settled"] = cause.value
+            if self._route is not None:
+                cost = self._route.pricing.cost(
+                    charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
+                )
+                meta["cost_usd"] = str(pico_to_usd(cost))
         return messages.continue_response_body(replacement, dynamic_metadata=meta)
-
-    def _streamed(self) -> bool:
-        """Whether any answer text reached the client (decides what a cut request costs)."""
-        return self._sse is not None and bool(self._sse.output_text())
 
     def _ok(self) -> bool:
         return 200 <= self._response_status < 300
@@ -417,16 +475,13 @@ class StreamSession:
     def _end_cause(self) -> SettleCause:
         return SettleCause.COMPLETED if self._ok() else SettleCause.UPSTREAM_ERROR
 
-    def _usage_at_end(self) -> ActualUsage | None:
-        """Usage as the backend reported it, or None when it did not."""
-        if not self._ok():
-            # The backend generated nothing we can bill for.
-            return ActualUsage(prompt_tokens=0, output_tokens=0)
+    def _reported_usage(self) -> ActualUsage | None:
+        """Usage as the backend reported it, or None when kvgate could not read it."""
         reported = None
         if self._sse is not None:
             reported = self._sse.usage
-        elif self._response_body and not self._response_body_overflow:
-            reported = usage_from_json_body(bytes(self._response_body))
+        elif self._json_usage is not None:
+            reported = self._json_usage.usage
         if reported is None:
             return None
         self._observe_prompt_count(reported.prompt_tokens)
@@ -436,13 +491,39 @@ class StreamSession:
             cached_tokens=reported.cached_tokens,
         )
 
-    async def _counted_usage(self) -> ActualUsage:
-        output = 0
-        if self._sse is not None and self._request is not None:
-            text = self._sse.output_text()
-            if text:
-                output = await self._svc.tokenizers.count_text(self._request.model, text)
-        return ActualUsage(prompt_tokens=self._prompt_tokens, output_tokens=output)
+    async def _reading(self) -> ResponseReading:
+        """What was seen of the answer, for the billing rule."""
+        usage = self._reported_usage() if self._ok() else None
+        sse = self._sse
+        counted = 0
+        if usage is None and sse is not None and self._ok():
+            counted = await self._count_output(sse.output_text())
+        return ResponseReading(
+            accepted=self._ok(),
+            streamed=sse is not None,
+            usage=usage,
+            counted_output_tokens=counted,
+            content_events=getattr(sse, "content_events", 0),  # TEMP-INTEGRATION
+            output_text_complete=sse is not None and not getattr(sse, "output_text_truncated", 0),
+            visible_text=sse is not None and bool(sse.output_text()),
+        )
+
+    async def _count_output(self, text: str) -> int:
+        if not text or self.reservation is None:
+            return 0
+        # The model that served the request (after a budget fallback, not the one asked).
+        model = self.reservation.request.model
+        try:
+            return await self._svc.tokenizers.count_text(model, text)
+        except Exception:
+            # E.g. the model was removed by a reload since admission: the billing rule
+            # still charges at least one token per content event.
+            log.warning(
+                "could not count output tokens",
+                extra={"request_id": self.request_id, "model": model},
+                exc_info=True,
+            )
+            return 0
 
     def _observe_prompt_count(self, backend_prompt_tokens: int) -> None:
         if self._request is None:
@@ -461,37 +542,50 @@ class StreamSession:
                 },
             )
 
-    async def _maybe_renew_lease(self) -> None:
-        if self.reservation is None:
-            return
-        now = self._svc.clock.now()
-        if now - self._last_renewal >= self._svc.lease_renew_interval_s:
-            self._last_renewal = now
-            await self._svc.store.renew(self.reservation)
-
     # ------------------------------------------------------------------ settlement
 
-    async def _settle(self, cause: SettleCause, usage: ActualUsage) -> None:
-        task = self._start_settlement(cause, usage)
-        if task is not None:
-            # Shielded: if this stream is cancelled right now, the settlement still lands.
-            await asyncio.shield(task)
-
-    def _start_settlement(
-        self, cause: SettleCause, usage: ActualUsage
-    ) -> asyncio.Task[None] | None:
+    async def _settle(self, cause: SettleCause) -> ActualUsage | None:
+        """Settle once with what was seen; returns what was charged (None if this stream
+        had nothing to settle or already settled)."""
         if self.reservation is None or self._settling:
             return None
         self._settling = True  # set before any await: exactly once
         self.phase = Phase.SETTLED
-        return self._svc.settle(
-            self.reservation,
+        reservation = self.reservation
+        try:
+            reading = await self._reading()
+        except asyncio.CancelledError:
+            # Cancelled while counting: settle in the background with what is known.
+            self._svc.track(self._settle_in_background(reservation, cause, ResponseReading()))
+            raise
+        charged, metered = charged_usage(cause, reading, reservation, self._cut_rule())
+        task = self._svc.settle(
+            reservation,
             cause,
-            usage,
+            charged,
+            metered=metered,
             request_id=self.request_id,
-            streamed=self._streamed(),
             pricing=self._route.pricing if self._route else Pricing(),
         )
+        # Shielded: if this stream is cancelled right now, the settlement still lands.
+        await asyncio.shield(task)
+        return charged
+
+    async def _settle_in_background(
+        self, reservation: Reservation, cause: SettleCause, reading: ResponseReading
+    ) -> None:
+        charged, metered = charged_usage(cause, reading, reservation, self._cut_rule())
+        await self._svc.settle(
+            reservation,
+            cause,
+            charged,
+            metered=metered,
+            request_id=self.request_id,
+            pricing=self._route.pricing if self._route else Pricing(),
+        )
+
+    def _cut_rule(self) -> CutRequestCharge:
+        return CutRequestCharge(self._snapshot.config.server.cut_request_charge)
 
     def close(self, *, shutting_down: bool) -> None:
         """The gRPC stream ended. If the request was admitted and not settled, the client
@@ -505,16 +599,8 @@ class StreamSession:
         self.phase = Phase.SETTLED
 
         async def settle_after_disconnect() -> None:
-            reported = self._usage_at_end() if self._sse is not None else None
-            usage = reported if reported is not None else await self._counted_usage()
-            await self._svc.settle(
-                reservation,
-                cause,
-                usage,
-                request_id=self.request_id,
-                streamed=self._streamed(),
-                pricing=self._route.pricing if self._route else Pricing(),
-            )
+            reading = await self._reading()
+            await self._settle_in_background(reservation, cause, reading)
 
         self._svc.track(settle_after_disconnect())
 

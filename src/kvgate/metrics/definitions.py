@@ -100,6 +100,21 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.lease_renewals = Counter(
+            "kvgate_lease_renewals",
+            "Lease renewals of open requests, by result: renewed, lost (the store no longer "
+            "held the lease: its capacity was freed, the request is still charged at "
+            "settlement) or error (the store could not be reached).",
+            ["result"],
+            registry=r,
+        )
+        self.unmetered_settlements = Counter(
+            "kvgate_unmetered_settlements",
+            "Completed requests whose usage could not be read from the answer: charged the "
+            "reservation's worst case.",
+            ["backend"],
+            registry=r,
+        )
         self.cost_usd = Counter(
             "kvgate_cost_usd",
             "Cost of settled requests in US dollars (exact integer pico-dollars in the ledger).",

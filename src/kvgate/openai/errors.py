@@ -160,25 +160,29 @@ def context_length_exceeded(
     max_new: int | None,
     max_context: int,
     param: str = "messages",
+    *,
+    at_least: bool = False,
 ) -> ApiError:
     """400: prompt (+ requested completion) does not fit the model's context.
 
     Wording follows OpenAI's; ``param`` is "messages" for chat and should be
-    "prompt" for the completions endpoint.
+    "prompt" for the completions endpoint. ``at_least``: ``prompt_tokens`` is a lower
+    bound found without tokenizing (the prompt is too long whatever its exact count).
     """
     what = "messages" if param == "messages" else "prompt"
+    some = "at least " if at_least else ""
     if max_new:
         message = (
             f"This model's maximum context length is {max_context} tokens. However, you "
-            f"requested {prompt_tokens + max_new} tokens ({prompt_tokens} in the {what}, "
-            f"{max_new} in the completion). Please reduce the length of the {what} or "
+            f"requested {some}{prompt_tokens + max_new} tokens ({some}{prompt_tokens} in the "
+            f"{what}, {max_new} in the completion). Please reduce the length of the {what} or "
             f"completion."
         )
     else:
         message = (
             f"This model's maximum context length is {max_context} tokens. However, your "
-            f"{what} resulted in {prompt_tokens} tokens. Please reduce the length of the "
-            f"{what}."
+            f"{what} resulted in {some}{prompt_tokens} tokens. Please reduce the length of "
+            f"the {what}."
         )
     return ApiError(400, message, INVALID_REQUEST_ERROR, "context_length_exceeded", param)
 

@@ -32,9 +32,11 @@ __all__ = [
     "COMPLETIONS_PATH",
     "MAX_JSON_DEPTH",
     "ParsedRequest",
+    "PromptBound",
     "RequestKind",
     "load_json_object",
     "parse_request",
+    "prompt_lower_bound",
     "request_kind",
     "rewrite_body",
     "with_forced_usage",
@@ -104,6 +106,20 @@ class ParsedRequest:
     #: Prompts in the request: >1 only for a completions batch (list of prompts).
     num_prompts: int = 1
     echo: bool = False
+    #: vLLM's min_tokens: the engine generates at least this many tokens.
+    min_tokens: int = 0
+    #: Both max_tokens and max_completion_tokens were sent, with different values (engines
+    #: differ in which one they read, so both are rewritten to the reserved cap).
+    conflicting_caps: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """A completions request's prompts, one per generation the engine runs."""
+        prompt = self.prompt
+        if prompt is None:
+            return []
+        if type(prompt) is str or self.num_prompts == 1:
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
     @property
     def num_sequences(self) -> int:
@@ -509,6 +525,15 @@ def request_kind(path: str) -> RequestKind | None:
 # vLLM extension fields that change how the prompt is rendered in ways kvgate does not
 # reproduce. Accepting them would let a request be counted with one template and run with
 # another, i.e. slip past the KV and token budgets, so they are refused outright.
+_UNCOUNTABLE_COMPLETION_FIELDS = {
+    "prompt_embeds": "prompt embeddings",
+    "multi_modal_data": "multimodal inputs",
+}
+# Fields that make the engine hold more sequences than n / best_of say.
+_UNBOUNDED_FIELDS = {
+    "use_beam_search": "beam search keeps more candidate sequences than it returns",
+}
+
 _UNCOUNTABLE_CHAT_FIELDS = {
     "chat_template": "a per-request chat template",
     "documents": "documents rendered by the chat template",
@@ -530,6 +555,17 @@ def _refuse_uncountable_chat_fields(obj: dict[str, Any]) -> None:
             "add_special_tokens",
             "unsupported_parameter",
         )
+
+
+def _refuse_fields(obj: dict[str, Any], fields: dict[str, str]) -> None:
+    for name, what in fields.items():
+        value = obj.get(name)
+        if value is not None and value is not False:
+            raise invalid_request(
+                f"'{name}' is not supported by this gateway: it cannot meter {what}.",
+                name,
+                "unsupported_parameter",
+            )
 
 
 def parse_request(path: str, body: bytes) -> ParsedRequest:
@@ -555,6 +591,8 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
             "invalid_value",
         )
     echo = _opt_bool(obj, "echo", False)
+    _refuse_fields(obj, _UNBOUNDED_FIELDS)
+    min_tokens = _opt_int(obj, "min_tokens", 0, MAX_TOKENS_LIMIT) or 0
 
     max_tokens = _opt_int(obj, "max_tokens", 1, MAX_TOKENS_LIMIT)
     if kind == "chat":
@@ -597,8 +635,15 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
             n=n,
             best_of=best_of,
             echo=echo,
+            min_tokens=min_tokens,
+            conflicting_caps=(
+                max_completion is not None
+                and max_tokens is not None
+                and max_completion != max_tokens
+            ),
         )
 
+    _refuse_fields(obj, _UNCOUNTABLE_COMPLETION_FIELDS)
     prompt, num_prompts = _prompt(obj)
     # The completions endpoint has no max_completion_tokens (vLLM ignores it) and
     # defaults max_tokens to 16 when absent; an explicit null means "no cap".
@@ -620,7 +665,49 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         best_of=best_of,
         num_prompts=num_prompts,
         echo=echo,
+        min_tokens=min_tokens,
     )
+
+
+# --------------------------------------------------------------------------- size bound
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBound:
+    """Prompt tokens a request needs at least: in all, and for its longest prompt."""
+
+    total: int
+    longest: int
+    exact: bool = False  # token-id prompts are counted exactly
+
+
+def _text_chars(value: Any) -> int:
+    if type(value) is str:
+        return len(value)
+    if type(value) is list:  # content parts
+        return sum(len(part.get("text") or "") for part in value if type(part) is dict)
+    return 0
+
+
+def prompt_lower_bound(request: ParsedRequest, max_token_chars: int) -> PromptBound:
+    """A lower bound on the prompt's tokens from its text length alone (no tokenizing):
+    no token covers more than ``max_token_chars`` characters. Costs one pass over the
+    messages, not over their text (``len`` of a str is O(1))."""
+    if request.kind == "chat":
+        chars = sum(_text_chars(m.get("content")) for m in request.messages or ())
+        tokens = max(1, -(-chars // max_token_chars))
+        return PromptBound(total=tokens, longest=tokens)
+    counts: list[int] = []
+    exact = True
+    for prompt in request.prompts():
+        if type(prompt) is str:
+            exact = False
+            counts.append(max(1, -(-len(prompt) // max_token_chars)))
+        else:
+            counts.append(len(prompt))
+    if not counts:
+        return PromptBound(total=1, longest=1)
+    return PromptBound(total=sum(counts), longest=max(counts), exact=exact)
 
 
 # --------------------------------------------------------------------------- rewriting

@@ -37,6 +37,10 @@ class Reason(enum.StrEnum):
     BACKEND_OVERLOADED = "backend_overloaded"
     CAPACITY_UNKNOWN = "capacity_unknown"
     STORE_UNAVAILABLE = "store_unavailable"
+    # kvgate could not decide within server.decision_timeout_s (e.g. counting was queued).
+    DECISION_TIMEOUT = "decision_timeout"
+    # The tenant already has too much prompt counting queued.
+    COUNTING_BUSY = "counting_busy"
     INTERNAL_ERROR = "internal_error"
 
 
@@ -131,10 +135,13 @@ class Settlement:
     cause: SettleCause
     usage: ActualUsage
     reserved_kv_tokens: int
-    # False when the reservation was already settled (or expired): nothing was charged twice.
+    # False when nothing was booked: settled (or abandoned) before, or unknown to the store.
     applied: bool = True
     duration_s: float = 0.0
     cost_pico: int = 0
+    # The lease had expired (its capacity was freed) before this settlement; the usage was
+    # booked anyway, from the reservation's billing record.
+    lease_expired: bool = False
 
 
 @dataclass(slots=True)

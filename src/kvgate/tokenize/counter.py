@@ -14,6 +14,7 @@ not depend on transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -65,6 +66,17 @@ class PromptCounter:
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         self._chat_template = chat_template
         self._prefix, self._suffix = self._special_affixes(tokenizer, tokenizer_config)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters of its vocabulary form.
+
+        A byte-level BPE entry has one character per byte, and a text character is at least
+        one byte, so a text of C characters needs at least ceil(C / max_token_chars) tokens:
+        a lower bound found without tokenizing (special tokens are longer than any text
+        they stand for, which only makes the bound weaker, never wrong).
+        """
+        return max(1, max(map(len, self._tokenizer.get_vocab(with_added_tokens=True))))
 
     @classmethod
     def from_model_dir(cls, model_dir: Path | str, *, name: str = "") -> PromptCounter:

@@ -1,0 +1,100 @@
+"""The billing rule: what a tenant pays for a forwarded request, by how it ended.
+
+One rule, in one place. Its inputs are what kvgate saw of the answer (a
+:class:`ResponseReading`); its output is the usage that is booked and priced.
+
+- completed (2xx, end of stream): the backend's own usage. A stream without a usage event
+  (the split layout does not inject one): the prompt and the counted output text, at least
+  one token per content event. Otherwise, when the answer carried no usage kvgate could
+  read, the reservation's worst case (prompt + every token it was allowed to generate): an
+  answer kvgate cannot meter is never free.
+- upstream error (non-2xx): nothing; the engine produced no answer.
+- cut before its end (client gone, Envoy timeout, shutdown), ``backend_work`` (default): once
+  the backend accepted the request (2xx headers) the prefill was done, so the prompt is
+  charged, plus the output seen: the backend's usage if it arrived, else the counted output
+  text, but at least one token per content event (special tokens make no visible text). A
+  non-streamed answer is generated whole before its headers are sent, so a cut one without
+  readable usage costs the worst case. Before the backend accepted: nothing.
+- cut, ``visible_text`` (the older rule, an option): nothing unless answer text reached the
+  client, then the prompt and the counted output.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvgate.policy import ActualUsage, Reservation, SettleCause
+
+
+class CutRequestCharge(enum.StrEnum):
+    BACKEND_WORK = "backend_work"
+    VISIBLE_TEXT = "visible_text"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseReading:
+    """What kvgate saw of one answer by the time it settles."""
+
+    # The backend answered with 2xx headers.
+    accepted: bool = False
+    # The answer is a stream of SSE events (else one JSON body, or nothing yet).
+    streamed: bool = False
+    # The backend's own usage, when kvgate could read it.
+    usage: ActualUsage | None = None
+    # Output tokens counted from the answer text kvgate saw (cut streams).
+    counted_output_tokens: int = 0
+    # SSE events that carried generated content for some choice.
+    content_events: int = 0
+    # kvgate kept all of the streamed answer text (it keeps a bounded amount).
+    output_text_complete: bool = False
+    # Some answer text reached the client.
+    visible_text: bool = False
+
+
+ZERO = ActualUsage(prompt_tokens=0, output_tokens=0)
+
+
+def worst_case(reservation: Reservation) -> ActualUsage:
+    request = reservation.request
+    return ActualUsage(
+        prompt_tokens=request.prompt_tokens,
+        output_tokens=request.max_new_tokens * request.choices,
+    )
+
+
+def charged_usage(
+    cause: SettleCause,
+    reading: ResponseReading,
+    reservation: Reservation,
+    rule: CutRequestCharge = CutRequestCharge.BACKEND_WORK,
+) -> tuple[ActualUsage, bool]:
+    """The usage to book, and whether it was metered (False: the worst case was charged
+    because the answer's usage could not be read)."""
+    if cause is SettleCause.UPSTREAM_ERROR:
+        return ZERO, True
+    prompt = reservation.request.prompt_tokens
+    if cause is SettleCause.COMPLETED:
+        if reading.usage is not None:
+            return reading.usage, True
+        if reading.streamed and reading.output_text_complete:
+            # A stream without a usage event (the split layout cannot ask for one): count
+            # the text it carried, at least one token per content event.
+            output = max(reading.counted_output_tokens, reading.content_events)
+            return ActualUsage(prompt_tokens=prompt, output_tokens=output), True
+        return worst_case(reservation), False
+    # Cut before the end.
+    if rule is CutRequestCharge.VISIBLE_TEXT:
+        if not reading.visible_text:
+            return ZERO, True
+        if reading.usage is not None:
+            return reading.usage, True
+        return ActualUsage(prompt_tokens=prompt, output_tokens=reading.counted_output_tokens), True
+    if not reading.accepted:
+        return ZERO, True
+    if reading.usage is not None:
+        return reading.usage, True
+    if not reading.streamed:
+        return worst_case(reservation), False
+    output = max(reading.counted_output_tokens, reading.content_events)
+    return ActualUsage(prompt_tokens=prompt, output_tokens=output), True
