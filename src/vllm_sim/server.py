@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from vllm_sim.metrics import SimMetrics
 from vllm_sim.record import RequestLog, RequestRecord
 from vllm_sim.tokenization import PromptError, SimTokenizer
 from vllm_sim.validation import (
+    PROMPT_EMBEDS_DISABLED,
     ChatRequest,
     CommonParams,
     CompletionRequest,
@@ -36,6 +38,9 @@ from vllm_sim.validation import (
     RequestError,
     StreamOpts,
     check_lengths,
+    check_logprobs,
+    check_prompt_embeds,
+    check_sampling,
     parse_chat,
     parse_completion,
     parse_json_body,
@@ -390,6 +395,8 @@ class VllmSim:
             body, steering = await self._read(request)
             comp = parse_completion(body)
             self._check_model(comp.common)
+            if comp.prompt_embeds is not None:
+                check_prompt_embeds(comp.prompt_embeds)
             prompts: list[list[int]] = []
             echoes: list[str] = []
             for prompt in comp.prompts:
@@ -411,6 +418,8 @@ class VllmSim:
             prompts,
             fmt,
             echoes=echoes if comp.echo else None,
+            engine_error=PROMPT_EMBEDS_DISABLED if comp.prompt_embeds else None,
+            embeds=len(comp.prompt_embeds or ()),
         )
 
     async def _tokenize_chat(self, chat: ChatRequest) -> list[int]:
@@ -514,7 +523,21 @@ class VllmSim:
         fmt: protocol.ChatFormatter | protocol.CompletionFormatter,
         *,
         echoes: list[str] | None = None,
+        engine_error: str | None = None,
+        embeds: int = 0,
     ) -> web.StreamResponse:
+        # vLLM builds SamplingParams (its checks answer 400) for every prompt before
+        # the engine sees any; the engine's own refusals come next.
+        try:
+            for _ in range(embeds):
+                check_sampling(None, common, self.max_model_len)
+            for prompt_ids in prompts:
+                check_sampling(len(prompt_ids), common, self.max_model_len)
+        except RequestError as err:
+            return _error_response(err)
+        engine_error = check_logprobs(common, self.config.max_logprobs) or engine_error
+        if engine_error is not None:
+            return await self._engine_refusal(request, common, engine_error)
         # One engine sequence per (prompt, n) pair, as vLLM fans n out into child
         # requests; choice index = prompt_index * n + k.
         many = len(prompts) * common.n > 1
@@ -559,6 +582,25 @@ class VllmSim:
             for choice in choices:
                 if choice.req.final_reason is None:
                     self.engine.abort(choice.req)
+
+    async def _engine_refusal(
+        self, request: web.Request, common: CommonParams, message: str
+    ) -> web.StreamResponse:
+        """A ValueError from vLLM's engine (input processor): a 400 for a plain
+        request; a stream has already answered 200, so the error becomes one SSE
+        event (``json.dumps`` with default separators, ASCII) before ``[DONE]``."""
+        err = RequestError.bad_request(message)
+        if not common.stream:
+            return _error_response(err)
+        resp = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(f"data: {json.dumps(err.body)}\n\n".encode())
+        await resp.write(protocol.SSE_DONE)
+        await resp.write_eof()
+        return resp
 
     async def _pump(self, choice: _Choice, feed: _Feed, steering: Steering) -> None:
         req = choice.req

@@ -13,6 +13,8 @@ depends on the FastAPI/pydantic versions vLLM is installed with.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,9 +181,14 @@ class CommonParams:
     n: int
     ignore_eos: bool = False
     min_tokens: int = 0
+    # How many top alternatives each sampled token's logprobs carry; None: no
+    # logprobs at all (chat: top_logprobs when logprobs is true; completions: logprobs).
+    logprobs: int | None = None
 
 
-def _common(body: dict[str, Any], *, max_tokens: int | None) -> CommonParams:
+def _common(
+    body: dict[str, Any], *, max_tokens: int | None, logprobs: int | None = None
+) -> CommonParams:
     stream = _opt_bool(body, "stream", False)
     n = _opt_int(body, "n", 1)
     n = 1 if n is None else n
@@ -198,7 +205,50 @@ def _common(body: dict[str, Any], *, max_tokens: int | None) -> CommonParams:
         n=n,
         ignore_eos=_opt_bool(body, "ignore_eos", False),
         min_tokens=_opt_int(body, "min_tokens", 0) or 0,
+        logprobs=logprobs,
     )
+
+
+def _number_or_none(body: dict[str, Any], key: str) -> Any:
+    """A field as vLLM's "before" model validators see it (raw; ints compared)."""
+    value = body.get(key)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's ChatCompletionRequest.check_logprobs, then ``top_logprobs if logprobs``."""
+    prompt_logprobs = _number_or_none(body, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        if body.get("stream") and prompt_logprobs > 0:
+            raise _value_error("`prompt_logprobs` are not available when `stream=True`.", body)
+        if prompt_logprobs < 0:
+            raise _value_error("`prompt_logprobs` must be a positive value.", body)
+    top = _number_or_none(body, "top_logprobs")
+    if top is not None:
+        if top < 0:
+            raise _value_error("`top_logprobs` must be a positive value.", body)
+        if top > 0 and not body.get("logprobs"):
+            raise _value_error("when using `top_logprobs`, `logprobs` must be set to true.", body)
+    wanted = _opt_bool(body, "logprobs", False)
+    top_logprobs = _opt_int(body, "top_logprobs", 0)
+    # An explicit "top_logprobs": null turns logprobs off, as in vLLM.
+    return top_logprobs if wanted and top_logprobs is not None else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's CompletionRequest.check_logprobs; ``logprobs: k`` asks for top-k."""
+    prompt_logprobs = _number_or_none(body, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        if body.get("stream") and prompt_logprobs > 0:
+            raise _value_error("`prompt_logprobs` are not available when `stream=True`.", body)
+        if prompt_logprobs < 0:
+            raise _value_error("`prompt_logprobs` must be a positive value.", body)
+    logprobs = _number_or_none(body, "logprobs")
+    if logprobs is not None and logprobs < 0:
+        raise _value_error("`logprobs` must be a positive value.", body)
+    return _opt_int(body, "logprobs")
 
 
 @dataclass
@@ -249,7 +299,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     # OpenAI's newer name wins; vLLM uses `max_completion_tokens or max_tokens`.
     max_tokens = _opt_int(body, "max_completion_tokens") or _opt_int(body, "max_tokens")
     return ChatRequest(
-        common=_common(body, max_tokens=max_tokens),
+        common=_common(body, max_tokens=max_tokens, logprobs=_chat_logprobs(body)),
         messages=messages,
         tools=tools,
         documents=body.get("documents"),
@@ -275,6 +325,8 @@ class CompletionRequest:
     prompts: list[Prompt]
     echo: bool = False
     add_special_tokens: bool = True
+    # Base64 strings, as sent (vLLM loads them before the text prompts).
+    prompt_embeds: list[str] | None = None
 
 
 def _is_ids(value: Any) -> bool:
@@ -299,21 +351,83 @@ def _prompts(prompt: Any) -> list[Prompt]:
     raise _type_error("string_type", "Input should be a valid string", _loc("prompt"), prompt)
 
 
+def _prompt_embeds(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise _type_error("bytes_type", "Input should be a valid bytes", _loc("prompt_embeds"), value)
+
+
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    if body.get("prompt") is None and body.get("prompt_embeds") is None:
-        raise _value_error("At least one of `prompt` or `prompt_embeds` must be set.", body)
-    if body.get("prompt_embeds") is not None:
-        raise RequestError.bad_request("vllm-sim does not support prompt_embeds")
-    prompts = _prompts(body["prompt"])
-    common = _common(body, max_tokens=_opt_int(body, "max_tokens", 16))
+    prompt = body.get("prompt")
+    embeds = body.get("prompt_embeds")
+    prompt_is_empty = prompt is None or prompt == ""
+    embeds_is_empty = embeds is None or (isinstance(embeds, list) and not embeds)
+    if prompt_is_empty and embeds_is_empty:
+        raise _value_error("Either prompt or prompt_embeds must be provided and non-empty.", body)
+    logprobs = _completion_logprobs(body)
+    prompts = [] if prompt_is_empty else _prompts(prompt)
+    prompt_embeds = None if embeds is None else _prompt_embeds(embeds)
+    common = _common(body, max_tokens=_opt_int(body, "max_tokens", 16), logprobs=logprobs)
+    echo = _opt_bool(body, "echo", False)
     if body.get("suffix") is not None:
         raise RequestError.bad_request("suffix is not currently supported")
+    if echo and prompt_embeds is not None:
+        raise RequestError.bad_request("Echo is unsupported with prompt embeds.")
     return CompletionRequest(
         common=common,
         prompts=prompts,
-        echo=_opt_bool(body, "echo", False),
+        echo=echo,
         add_special_tokens=_opt_bool(body, "add_special_tokens", True),
+        prompt_embeds=prompt_embeds,
     )
+
+
+# What vLLM's input processor raises for prompt_embeds without --enable-prompt-embeds.
+PROMPT_EMBEDS_DISABLED = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."
+
+
+def check_prompt_embeds(embeds: list[str]) -> None:
+    """vLLM base64-decodes each embedding (``validate=True``) before anything else;
+    a bad one is a 400 with the decoder's message. (vLLM then ``torch.load``s it;
+    the simulator cannot, so any valid base64 passes here and fails later with
+    :data:`PROMPT_EMBEDS_DISABLED`, as in a vLLM started without the flag.)"""
+    for embed in embeds:
+        try:
+            base64.b64decode(embed, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise RequestError.bad_request(str(exc)) from exc
+
+
+def check_sampling(prompt_len: int | None, common: CommonParams, max_model_len: int) -> None:
+    """``SamplingParams._verify_args`` on vLLM's computed max_tokens,
+    ``min(max_tokens, max_model_len - prompt)`` (the prompt's length unknown for
+    embeddings)."""
+    caps = [c for c in (common.max_tokens,) if c is not None]
+    if prompt_len is not None:
+        caps.append(max_model_len - prompt_len)
+    max_tokens = min(caps) if caps else None
+    if common.min_tokens < 0:
+        raise RequestError.bad_request(
+            f"min_tokens must be greater than or equal to 0, got {common.min_tokens}."
+        )
+    if max_tokens is not None and common.min_tokens > max_tokens:
+        raise RequestError.bad_request(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {common.min_tokens}."
+        )
+
+
+def check_logprobs(common: CommonParams, max_logprobs: int) -> str | None:
+    """The v1 engine processor's check (raised inside the engine, so a stream gets
+    it as an SSE error event). The "is is" is vLLM 0.10.2's own wording."""
+    if common.logprobs and max_logprobs != -1 and common.logprobs > max_logprobs:
+        return (
+            f"Requested sample logprobs of {common.logprobs}, "
+            f"which is is greater than max allowed: {max_logprobs}"
+        )
+    return None
 
 
 def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
