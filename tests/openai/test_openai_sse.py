@@ -85,7 +85,10 @@ def assert_tracked(f: SseStreamFilter, events: int) -> None:
     assert f.events_seen == events
     assert f.malformed_events == 0
     assert f.error is None
-    assert not f.degraded
+    # Six text pieces and the empty stop delta; the role announcement is no decode step.
+    assert f.content_events == len(PIECES) + 1
+    assert not f.output_text_truncated
+    assert f.buffered_bytes == 0
 
 
 N_EVENTS = len(vllm_chat_payloads())
@@ -352,16 +355,21 @@ def test_legacy_error_object() -> None:
     assert f.error == legacy
 
 
-def test_oversized_event_degrades_to_pass_through() -> None:
-    big = "data: " + json.dumps({"choices": [{"delta": {"content": "x" * 5000}}]})
+def test_oversized_event_is_streamed_and_scanned() -> None:
+    big = "data: " + chunk_json([delta("x" * 5000)])
     rest = events_to_stream(vllm_chat_payloads())
     for strip in (False, True):
         f = SseStreamFilter(strip_usage_event=strip, max_event_bytes=1000)
         stream = events_to_stream([ROLE_EVENT]) + big.encode() + b"\n\n" + rest
         chunks = split_at(stream, range(500, len(stream), 500))
-        # Everything is forwarded unchanged; parsing stops, usage stays unknown.
-        assert run(f, chunks) == stream
-        assert f.degraded and f.usage is None
+        out = run(f, chunks)
+        # The big event is forwarded unchanged and still read; nothing stops.
+        assert out == (stream.replace(usage_event_bytes(), b"") if strip else stream)
+        assert f.usage == EXPECTED_USAGE
+        assert f.large_events == 1
+        assert f.output_text() == "x" * 5000 + TEXT
+        assert f.content_events == len(PIECES) + 2
+        assert f.stripped_events == (1 if strip else 0)
 
 
 def test_empty_chunks_and_finish_idempotent() -> None:

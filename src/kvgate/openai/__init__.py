@@ -31,7 +31,7 @@ from .requests import (
     with_max_tokens,
     with_model,
 )
-from .responses import Usage, usage_from_json_body, usage_from_mapping
+from .responses import JsonUsageScanner, Usage, usage_from_json_body, usage_from_mapping
 from .sse import SseStreamFilter
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "COMPLETIONS_PATH",
     "MAX_JSON_DEPTH",
     "ApiError",
+    "JsonUsageScanner",
     "ParsedRequest",
     "RequestKind",
     "SseStreamFilter",

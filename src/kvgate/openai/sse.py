@@ -9,11 +9,21 @@ SSE events: one event may be split across chunks and one chunk may hold many.
 * returns the bytes to forward (the chunk itself, untouched, unless an event has
   to be removed),
 * tracks what settlement needs: the engine's ``usage`` (the last non-null one
-  seen; vLLM's final usage event has ``"choices": []``), the generated text (to
-  count output tokens when the stream is cut before the usage event), whether
-  ``data: [DONE]`` arrived, and any in-band error,
+  seen; vLLM's final usage event has ``"choices": []``), the generated text and
+  the number of content events (to bound output tokens from below when the
+  stream is cut before the usage event), whether ``data: [DONE]`` arrived, and
+  any in-band error,
 * optionally strips the usage-only event when kvgate, not the client, asked for
   it (``strip_usage_event=True``), so the client sees the stream it requested.
+
+Memory is bounded per stream whatever the event sizes (``logprobs``, ``n`` and
+``echo`` make events as large as a client likes): an event is held whole only
+while it is at most ``max_event_bytes`` (64 KiB). A larger one cannot be vLLM's
+usage-only event (~200 bytes), so it is forwarded as it arrives and scanned
+incrementally (:class:`kvgate.openai.responses._JsonScan`): its top-level
+``usage`` (vLLM's ``continuous_usage_stats`` puts one on every chunk), ``error``,
+generated text and content choices are still read, nothing else is kept. The
+retained text is capped too (``max_text_chars``, ``output_text_truncated``).
 
 Framing: events end at a blank line. Line endings may be LF or CRLF (or mixed);
 a lone CR as line ending (allowed by the SSE spec, used by no OpenAI-compatible
@@ -22,9 +32,10 @@ server) is not supported. Fields other than ``data`` (``event:``, ``id:``,
 ``\\n`` as the SSE spec says.
 
 Cost: each chunk is scanned for boundaries once (bytes.find, or a regex when the
-unscanned bytes contain a CR), resuming where the previous scan stopped, never
-from the start of the buffer; each data event is JSON-decoded exactly once. With
-``track_text=False`` only events that can carry usage or an error (a cheap
+unscanned bytes contain a CR), never rescanning held bytes; each small data
+event is JSON-decoded exactly once by the C scanner; a large event is scanned
+once, by regexes that skip uninteresting subtrees (logprobs) at C speed. With
+``track_text=False`` only small events that can carry usage or an error (a cheap
 substring test) are decoded.
 """
 
@@ -35,9 +46,9 @@ import re
 from json.scanner import make_scanner
 from typing import Any, Final
 
-from .responses import Usage, usage_from_mapping
+from .responses import Usage, _JsonScan, usage_from_mapping
 
-__all__ = ["DEFAULT_MAX_EVENT_BYTES", "SseStreamFilter"]
+__all__ = ["DEFAULT_MAX_EVENT_BYTES", "DEFAULT_MAX_TEXT_CHARS", "SseStreamFilter"]
 
 # A blank line: the end of the last line (LF or CRLF) followed by an empty line.
 _BOUNDARY: Final = re.compile(rb"\r?\n\r?\n")
@@ -47,10 +58,12 @@ _BOUNDARY_OVERLAP: Final = 3
 _DATA: Final = b"data:"
 _DONE: Final = b"[DONE]"
 
-#: A partial event larger than this makes the filter give up (see ``degraded``):
-#: vLLM events are a few hundred bytes (a few KB with logprobs), so this only
-#: bounds memory against a broken or hostile upstream.
-DEFAULT_MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
+#: Largest event held whole (to decode it at once, or to strip it). vLLM's
+#: usage-only event is ~200 bytes and a content event a few hundred (a few KB
+#: with logprobs); larger events are streamed through and scanned incrementally.
+DEFAULT_MAX_EVENT_BYTES: Final = 64 * 1024
+#: Generated text retained for counting a cut stream (characters).
+DEFAULT_MAX_TEXT_CHARS: Final = 1024 * 1024
 
 
 def _boundaries(data: bytes | bytearray, pos: int) -> list[tuple[int, int]]:
@@ -66,6 +79,16 @@ def _boundaries(data: bytes | bytearray, pos: int) -> list[tuple[int, int]]:
             i = find(b"\n\n", i + 2)
         return found
     return [m.span() for m in _BOUNDARY.finditer(data, pos)]
+
+
+def _first_boundary(data: bytes | bytearray, pos: int) -> tuple[int, int] | None:
+    """(event end, boundary end) of the first blank line in ``data[pos:]``."""
+    i = data.find(b"\n\n", pos)
+    # A boundary other than LF LF holds a CR, before i if it starts before i.
+    if data.find(b"\r", pos, len(data) if i < 0 else i) < 0:
+        return None if i < 0 else (i, i + 2)
+    m = _BOUNDARY.search(data, pos)
+    return None if m is None else m.span()
 
 
 def _data_of(event: bytes | bytearray) -> bytes | bytearray | None:
@@ -114,6 +137,65 @@ def _decode_object(payload: bytes | bytearray) -> dict[str, Any] | None:
     return obj if type(obj) is dict else None
 
 
+_LINE_START, _LINE_DATA, _LINE_OTHER = range(3)
+
+
+class _LargeEvent:
+    """SSE fields of one event too large to hold, parsed as its pieces stream by.
+
+    ``data`` values (joined with LF as the SSE spec says) go to a JSON scanner;
+    other fields and comments are ignored. Holds at most a 6-byte line prefix.
+    """
+
+    __slots__ = ("data_lines", "prefix", "scan", "state")
+
+    def __init__(self, scan: _JsonScan) -> None:
+        self.scan = scan
+        self.state = _LINE_START
+        self.prefix = bytearray()  # start of a line, until its field name is known
+        self.data_lines = 0
+
+    def feed(self, data: bytes | bytearray, pos: int, end: int) -> None:
+        scan = self.scan
+        while pos < end:
+            if self.state != _LINE_START:
+                nl = data.find(b"\n", pos, end)
+                stop = end if nl < 0 else nl
+                if self.state == _LINE_DATA and stop > pos:
+                    scan.feed(data, pos, stop)  # a CR before LF is JSON whitespace
+                if nl < 0:
+                    return
+                pos = nl + 1
+                self.state = _LINE_START
+                self.prefix.clear()
+                continue
+            prefix = self.prefix
+            while pos < end and len(prefix) < 6 and data[pos] != 0x0A:
+                prefix.append(data[pos])
+                pos += 1
+            at_eol = pos < end and data[pos] == 0x0A
+            if not at_eol and len(prefix) < 6:
+                return  # the field name is not known yet
+            line = bytes(prefix)
+            if at_eol and line.endswith(b"\r"):
+                line = line[:-1]
+            if line.startswith(_DATA):
+                value = line[5:]
+                if value.startswith(b" "):
+                    value = value[1:]
+            elif at_eol and line == b"data":
+                value = b""
+            else:
+                self.state = _LINE_OTHER
+                continue
+            if self.data_lines:
+                scan.feed(b"\n")
+            self.data_lines += 1
+            self.state = _LINE_DATA
+            if value:
+                scan.feed(value)
+
+
 class SseStreamFilter:
     """Feed it every response chunk in order; forward what it returns.
 
@@ -126,35 +208,60 @@ class SseStreamFilter:
             To decide, a trailing partial event is held back until its blank line
             arrives; events that end inside the chunk are forwarded at once, so
             this adds no latency when chunks hold whole events (vLLM writes one
-            event per chunk).
+            event per chunk). An event is removed whole or forwarded whole.
         track_text: collect generated text (for counting output tokens when the
-            stream is cut before usage arrives). When False, only events that may
-            hold usage or an error are decoded.
-        max_event_bytes: bound on a buffered partial event; beyond it the filter
-            forwards everything it holds, stops parsing and sets ``degraded``.
+            stream is cut before usage arrives). When False, only small events
+            that may hold usage or an error are decoded, and ``content_events``
+            is estimated from a substring test.
+        max_event_bytes: largest event held whole. A larger event is forwarded
+            as it arrives and scanned incrementally (usage, error, text and
+            content are still read); it is never stripped (it cannot be vLLM's
+            ~200-byte usage event). ``buffered_bytes`` stays at most this plus a
+            captured usage/error value (``DEFAULT_MAX_CAPTURE_BYTES``).
+        max_text_chars: cap on the retained generated text.
 
     State after each ``feed``:
         ``usage``: last well-formed non-null usage seen (the final usage event
-        overrides continuous stats) or None. ``text_parts`` / ``output_text()``:
-        generated text, see :meth:`output_text`. ``done``: ``data: [DONE]`` seen.
+        overrides continuous stats) or None: None at the end means the engine's
+        count is unknown. ``text_parts`` / ``output_text()``: generated text, see
+        :meth:`output_text`; ``output_text_truncated``: some was not retained.
+        ``content_events``: see below. ``done``: ``data: [DONE]`` seen.
         ``events_seen``: events with a data field ([DONE] included).
-        ``stripped_events``: events removed. ``malformed_events``: data that was
-        not a JSON object. ``error``: the ``error`` object of an in-band error
-        event (vLLM reports failures mid-stream that way), else None.
+        ``stripped_events``: events removed. ``large_events``: events scanned
+        incrementally. ``malformed_events``: data that was not a JSON object.
+        ``error``: the ``error`` object of an in-band error event (vLLM reports
+        failures mid-stream that way), else None.
+
+    ``content_events`` counts events in which some choice carries generated
+    output: a completions choice with a ``text`` string, or a chat choice with a
+    ``delta`` object, except vLLM's role announcement (a delta with ``role`` and
+    no text). Empty text counts: vLLM sends an event whenever the engine
+    produced tokens for a choice, even if they decode to no text (special
+    tokens, a partial UTF-8 character, a held-back stop string); it skips only
+    the no-token chunked-prefill step. A tool/reasoning parser may swallow a
+    step (no event), and one event may carry several tokens, so each content
+    event is at least one output token, never more than the truth. Exception:
+    chat ``echo`` sends the last message once per choice as a content event.
     """
 
     __slots__ = (
         "_buf",
         "_finished",
+        "_large",
         "_max_event",
-        "_scan",
+        "_max_text",
+        "_pending",
         "_strip",
+        "_tail",
+        "_text_len",
         "_track_text",
-        "degraded",
+        "content_events",
         "done",
         "error",
         "events_seen",
+        "large_events",
         "malformed_events",
+        "output_text_truncated",
         "stripped_events",
         "text_parts",
         "usage",
@@ -166,75 +273,100 @@ class SseStreamFilter:
         *,
         track_text: bool = True,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
     ) -> None:
         self._strip = strip_usage_event
         self._track_text = track_text
         self._max_event = max_event_bytes
-        self._buf = bytearray()  # start of the event not yet complete
-        self._scan = 0  # where the boundary search resumes inside _buf
+        self._max_text = max_text_chars
+        self._buf = bytearray()  # the pending event while it is small enough to hold
+        self._large: _LargeEvent | None = None  # the pending event, streamed through
+        self._pending = False  # an event has begun and not ended
+        self._tail = b""  # its last <= 3 bytes: a blank line may straddle chunks
         self._finished = False
+        self._text_len = 0
         self.usage: Usage | None = None
         self.text_parts: list[str] = []
+        self.output_text_truncated = False
+        self.content_events = 0
         self.done = False
         self.events_seen = 0
         self.stripped_events = 0
+        self.large_events = 0
         self.malformed_events = 0
         self.error: dict[str, Any] | None = None
-        self.degraded = False
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held besides retained text (a partial event, a partial usage value)."""
+        held = len(self._buf)
+        if self._large is not None:
+            held += self._large.scan.buffered_bytes + len(self._large.prefix)
+        return held
 
     def feed(self, chunk: bytes) -> bytes:
         """Process one body chunk; return the bytes to forward in its place."""
         if self._finished:
             raise RuntimeError("SseStreamFilter.feed() called after finish()")
-        if not chunk or self.degraded:
+        if not chunk:
             return chunk
-        buf = self._buf
-        data: bytes | bytearray
-        if buf:
-            buf += chunk
-            data, pos = buf, self._scan
-        else:
-            # Fast path: nothing pending, work on the chunk itself (no copy).
-            data, pos = chunk, 0
-        start = 0  # beginning of the current event
+        strip = self._strip
+        size = len(chunk)
+        before: list[bytes | bytearray] | None = None  # held bytes released (strip)
+        pos = 0
+        if self._pending:
+            found = self._pending_boundary(chunk)
+            if found is None:
+                released = self._continue_pending(chunk)
+                if not strip:
+                    return chunk
+                return released if released is not None else b""
+            stop, pos = found
+            held = self._end_pending(chunk, stop)
+            if strip:
+                before = [] if held is None else [held, chunk[:pos]]
+
+        start = pos  # beginning of the current event
         removed: list[tuple[int, int]] | None = None
-        for stop, end in _boundaries(data, pos):
-            if self._on_event(data, start, stop) and self._strip:
-                if removed is None:
-                    removed = [(start, end)]
-                else:
-                    removed.append((start, end))
-            start = end
-        size = len(data)
-        overflow = size - start > self._max_event
-
-        if not self._strip:
-            if overflow:
-                self._degrade()
+        for stop, end in _boundaries(chunk, pos):
+            if stop - start <= self._max_event:
+                if self._on_event(chunk, start, stop) and strip:
+                    if removed is None:
+                        removed = [(start, end)]
+                    else:
+                        removed.append((start, end))
             else:
-                self._keep_tail(data, start, size)
-            return chunk
+                large = self._new_large()
+                large.feed(chunk, start, stop)
+                self._end_large(large)
+            start = end
 
-        # Stripping: forward complete events (minus removed ones), hold the tail.
-        cut = size if overflow else start
-        if removed is None:
-            out = chunk if (data is chunk and cut == size) else bytes(data[:cut])
-        else:
+        cut = size  # forwarded up to here (strip mode)
+        if start < size:
+            self._pending = True
+            self._tail = chunk[max(start, size - 3) :]
+            if size - start <= self._max_event:
+                self._buf += memoryview(chunk)[start:]
+                cut = start
+            else:
+                self._large = self._new_large()
+                self._large.feed(chunk, start, size)
+
+        if not strip:
+            return chunk
+        if before is None and removed is None and cut == size:
+            return chunk
+        parts: list[bytes | bytearray] = before if before is not None else []
+        prev = pos
+        if removed is not None:
             self.stripped_events += len(removed)
-            parts: list[bytes | bytearray] = []
-            prev = 0
             for a, b in removed:
-                parts.append(data[prev:a])
+                parts.append(chunk[prev:a])
                 prev = b
-            parts.append(data[prev:cut])
-            out = b"".join(parts)
-        if overflow:
-            self._degrade()
-        else:
-            self._keep_tail(data, start, size)
-        return out
+        parts.append(chunk[prev:cut])
+        return b"".join(parts)
 
     def finish(self) -> bytes:
         """End of stream: return any held bytes still to forward (idempotent).
@@ -246,10 +378,16 @@ class SseStreamFilter:
         if self._finished:
             return b""
         self._finished = True
+        if not self._pending:
+            return b""
+        self._pending = False
+        large = self._large
+        if large is not None:
+            self._large = None
+            self._end_large(large)
+            return b""  # already forwarded
         rest = bytes(self._buf)
         self._buf.clear()
-        if not rest:
-            return b""
         end = len(rest)
         while end and rest[end - 1] in b"\r\n":
             end -= 1
@@ -262,7 +400,7 @@ class SseStreamFilter:
         return rest
 
     def output_text(self) -> str:
-        """Generated text seen so far, all choices concatenated.
+        """Generated text seen so far (at most ``max_text_chars``), all choices.
 
         Counted: chat ``choices[*].delta.content``; ``delta.reasoning`` (or, if
         absent, the older ``delta.reasoning_content``, never both: vLLM may send
@@ -270,25 +408,115 @@ class SseStreamFilter:
         ``function.arguments`` in ``delta.tool_calls`` and the legacy
         ``delta.function_call``; completions ``choices[*].text`` (which includes
         the prompt when the request set ``echo``). The role chunk and logprobs are
-        not text. This approximates completion tokens when no usage arrives.
+        not text. This approximates completion tokens when no usage arrives;
+        when ``output_text_truncated``, it is only a prefix of the text.
         """
         return "".join(self.text_parts)
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ pending event
 
-    def _keep_tail(self, data: bytes | bytearray, start: int, size: int) -> None:
+    def _pending_boundary(self, chunk: bytes) -> tuple[int, int] | None:
+        """First blank line ending the pending event, in chunk offsets (the event
+        end is negative when the blank line began in the previous chunk)."""
+        tail = self._tail
+        if tail:
+            joint = tail + chunk[:3]
+            found = _first_boundary(joint, 0)
+            if found is not None:
+                n = len(tail)
+                return found[0] - n, found[1] - n
+        return _first_boundary(chunk, 0)
+
+    def _continue_pending(self, chunk: bytes) -> bytes | None:
+        """The pending event goes on past ``chunk``; return the bytes now
+        released for forwarding in strip mode (None: all still held)."""
+        self._tail = chunk[-3:] if len(chunk) >= 3 else (self._tail + chunk)[-3:]
+        large = self._large
+        if large is not None:
+            large.feed(chunk, 0, len(chunk))
+            return chunk
         buf = self._buf
-        if data is buf:
-            if start:
-                del buf[:start]
-        elif start < size:
-            buf += memoryview(data)[start:]
-        self._scan = max(0, size - start - _BOUNDARY_OVERLAP)
+        if len(buf) + len(chunk) <= self._max_event:
+            buf += chunk
+            return None
+        # Too large to hold: forward what was held and stream the rest through.
+        held = bytes(buf)
+        buf.clear()
+        large = self._large = self._new_large()
+        large.feed(held, 0, len(held))
+        large.feed(chunk, 0, len(chunk))
+        return held + chunk if self._strip else None
 
-    def _degrade(self) -> None:
-        self.degraded = True
+    def _end_pending(self, chunk: bytes, stop: int) -> bytes | None:
+        """The pending event ends at ``chunk[stop]``. Return the held bytes to
+        forward before ``chunk`` (strip mode), or None if the event is stripped."""
+        self._pending = False
+        self._tail = b""
+        large = self._large
+        if large is not None:
+            self._large = None
+            if stop > 0:
+                large.feed(chunk, 0, stop)
+            self._end_large(large)
+            return b""
+        held = bytes(self._buf)
         self._buf.clear()
-        self._scan = 0
+        size = len(held) + stop
+        if size <= self._max_event:
+            event = held[:size] if stop <= 0 else held + chunk[:stop]
+            if self._on_event(event, 0, size) and self._strip:
+                self.stripped_events += 1
+                return None
+            return held
+        large = self._new_large()
+        large.feed(held, 0, len(held))
+        large.feed(chunk, 0, stop)
+        self._end_large(large)
+        return held
+
+    # ------------------------------------------------------------------ large events
+
+    def _new_large(self) -> _LargeEvent:
+        track = self._track_text
+        return _LargeEvent(
+            _JsonScan(
+                track_choices=True,
+                text_room=self._text_room if track else None,
+                emit_text=self._emit_text if track else None,
+            )
+        )
+
+    def _end_large(self, large: _LargeEvent) -> None:
+        self.large_events += 1
+        scan = large.scan
+        if large.data_lines:
+            self.events_seen += 1
+            if not scan.complete:
+                self.malformed_events += 1
+        if scan.usage is not None:
+            self.usage = scan.usage
+        if scan.error is not None:
+            self.error = scan.error
+        if scan.content:
+            self.content_events += 1
+
+    # ------------------------------------------------------------------ text
+
+    def _text_room(self) -> int:
+        return 0 if self.output_text_truncated else self._max_text - self._text_len
+
+    def _emit_text(self, text: str, cut: bool) -> None:
+        room = self._text_room()
+        if len(text) > room:
+            text = text[:room]
+            cut = True
+        if text:
+            self.text_parts.append(text)
+            self._text_len += len(text)
+        if cut:
+            self.output_text_truncated = True  # a prefix only from now on
+
+    # ------------------------------------------------------------------ small events
 
     def _on_event(self, data: bytes | bytearray, start: int, end: int) -> bool:
         """Account for the event ``data[start:end]``; True if it is usage-only."""
@@ -308,6 +536,8 @@ class SseStreamFilter:
             self.done = True
             return False
         if not self._track_text and b'"usage"' not in payload and b'"error"' not in payload:
+            if b'"role"' not in payload and (b'"delta"' in payload or b'"text"' in payload):
+                self.content_events += 1  # estimate: not decoded
             return False
         obj = _decode_object(payload)
         if obj is None:
@@ -321,8 +551,8 @@ class SseStreamFilter:
                 self.usage = usage
         choices = obj.get("choices")
         if choices:
-            if self._track_text and type(choices) is list:
-                self._collect_text(choices)
+            if type(choices) is list and self._collect_text(choices):
+                self.content_events += 1
         elif (err := obj.get("error")) is not None or obj.get("object") == "error":
             # vLLM: {"error": {...}} (older: {"object": "error", "message": ...}).
             if err is None:
@@ -330,40 +560,57 @@ class SseStreamFilter:
             self.error = err if type(err) is dict else {"message": str(err)}
         return raw_usage is not None and not choices
 
-    def _collect_text(self, choices: list[Any]) -> None:
-        parts = self.text_parts
+    def _collect_text(self, choices: list[Any]) -> bool:
+        """Collect the text of ``choices``; True if one carries generated output."""
+        track = self._track_text
+        content = False
         for choice in choices:
             if type(choice) is not dict:
                 continue
             delta = choice.get("delta")
             if delta is None:  # completions: {"text": ...}
                 text = choice.get("text")
-                if type(text) is str and text:
-                    parts.append(text)
+                if type(text) is str:
+                    content = True
+                    if text and track:
+                        self._emit_text(text, False)
                 continue
             if type(delta) is not dict:
                 continue
+            found = False
             text = delta.get("content")
             if type(text) is str and text:
-                parts.append(text)
+                found = True
+                if track:
+                    self._emit_text(text, False)
             reasoning = delta.get("reasoning")
             if type(reasoning) is not str:
                 reasoning = delta.get("reasoning_content")
             if type(reasoning) is str and reasoning:
-                parts.append(reasoning)
+                found = True
+                if track:
+                    self._emit_text(reasoning, False)
             calls = delta.get("tool_calls")
             if type(calls) is list:
                 for call in calls:
-                    if type(call) is dict:
-                        self._collect_function(call.get("function"))
+                    if type(call) is dict and self._collect_function(call.get("function")):
+                        found = True
             legacy = delta.get("function_call")
-            if legacy is not None:
-                self._collect_function(legacy)
+            if legacy is not None and self._collect_function(legacy):
+                found = True
+            # vLLM's role announcement ({"role":..,"content":""}) is no decode step.
+            if found or "role" not in delta:
+                content = True
+        return content
 
-    def _collect_function(self, function: Any) -> None:
+    def _collect_function(self, function: Any) -> bool:
         if type(function) is not dict:
-            return
+            return False
+        found = False
         for key in ("name", "arguments"):
             value = function.get(key)
             if type(value) is str and value:
-                self.text_parts.append(value)
+                found = True
+                if self._track_text:
+                    self._emit_text(value, False)
+        return found
