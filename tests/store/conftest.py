@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -48,7 +49,8 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 async def make_store(
     request: pytest.FixtureRequest, clock: ManualClock
 ) -> AsyncIterator[StoreFactory]:
-    """make_store(lease_ttl_s=60, on_lease_expired=None) -> a fresh store on `clock`.
+    """make_store(lease_ttl_s=60, on_lease_expired=None, bill_retention_s=24 h) -> a fresh
+    store on `clock`.
 
     "redis-cluster" runs the same store on a real Redis Cluster (the key prefix, hence the
     slot and the node, differs per test)."""
@@ -59,18 +61,24 @@ async def make_store(
     )
 
     def factory(
-        *, lease_ttl_s: float = 60.0, on_lease_expired: ExpiredLeaseHook | None = None
+        *,
+        lease_ttl_s: float = 60.0,
+        on_lease_expired: ExpiredLeaseHook | None = None,
+        bill_retention_s: float | None = None,
     ) -> StateStore:
+        # Only passed when a test sets it (the stores' default otherwise).
+        extra: dict[str, Any] = {}
+        if bill_retention_s is not None:
+            extra["bill_retention_s"] = bill_retention_s
         if request.param == "memory":
             return MemoryStore(
-                lease_ttl_s=lease_ttl_s, clock=clock, on_lease_expired=on_lease_expired
+                lease_ttl_s=lease_ttl_s, clock=clock, on_lease_expired=on_lease_expired, **extra
             )
         client: aioredis.Redis | RedisCluster = (
             RedisCluster.from_url(cluster_url)
             if cluster_url
             else aioredis.Redis.from_url(REDIS_URL)
         )
-        clients.append(client)
         store = RedisStore(
             client,
             lease_ttl_s=lease_ttl_s,
@@ -78,7 +86,9 @@ async def make_store(
             timeout_s=5.0,
             clock=clock,
             on_lease_expired=on_lease_expired,
+            **extra,
         )
+        clients.append(client)
         tags.append(store.key_tag)
         return store
 

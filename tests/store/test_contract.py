@@ -358,27 +358,136 @@ async def test_settlement_is_idempotent(make_store: StoreFactory) -> None:
     assert await in_flight(store) == (0, 0)
 
 
-async def test_expired_leases_free_everything_and_charge_nothing(
+async def test_an_expired_lease_frees_capacity_and_is_still_billed_once(
     make_store: StoreFactory, clock: ManualClock
 ) -> None:
+    """Issue 9, hole 4: lease expiry frees the capacity, the bill survives."""
     expired: list[Reservation] = []
     store = make_store(lease_ttl_s=30, on_lease_expired=expired.append)
     policy = tenant(
         limits=ScopeLimits(tpm=tpm(1000, refill=1e-9), concurrency=ConcurrencyRule(1)),
-        budgets=(BudgetRule(Period.MONTH, 1000),),
+        budgets=(BudgetRule(Period.MONTH, 2000),),
     )
     lost = await admitted(store, req(400, 400, cost=600), policy)
     assert not (await reserve(store, req(10, 10, cost=1), policy)).admitted
     clock.advance(31)
+    assert not await store.renew(lost)  # lost, even before a sweep noticed
     back = await reserve(store, req(400, 400, cost=600), policy)
     assert back.admitted  # slot, tokens, money and KV all came back
     assert back.rate_limits is not None and back.rate_limits.remaining_tokens == 200
     assert [r.reservation_id for r in expired] == [lost.reservation_id]
     assert expired[0].request.tenant == "t" and expired[0].kv_tokens == 800
-    # A late settlement of the expired lease charges nothing and frees nothing twice.
-    assert not await settle(store, lost, 400, 400, cost=600, policy=policy)
-    assert await store.usage_totals() == {}
+    assert not await store.renew(lost)
+    # The request ran on: its settlement is booked, once, and frees nothing twice.
+    settlement = await store.settle(
+        lost, SettleCause.COMPLETED, ActualUsage(400, 100), cost_pico=500, tenant=policy
+    )
+    assert settlement.applied and settlement.lease_expired
+    again = await store.settle(
+        lost, SettleCause.COMPLETED, ActualUsage(400, 100), cost_pico=500, tenant=policy
+    )
+    assert not again.applied and not again.lease_expired
+    assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 400, 100, 0, 500)}
     assert await in_flight(store) == (800, 1)
+    month = lost.hold.period_keys[1][1] if lost.hold else ""
+    usage = await store.tenant_usage("t", [month])
+    assert usage.spent_pico == {month: 500} and usage.reserved_pico == {month: 600}
+    # Its 500 tokens were taken from the bucket too: 200 - 500 leaves a debt.
+    debt = await reserve(store, req(0, 1, cost=0), policy)
+    assert debt.reason is Reason.TPM_EXCEEDED
+    assert debt.rate_limits is not None and debt.rate_limits.remaining_tokens == 0
+    assert back.reservation is not None
+    live = await store.settle(
+        back.reservation, SettleCause.COMPLETED, ActualUsage(400, 400), cost_pico=600, tenant=policy
+    )
+    assert live.applied and not live.lease_expired
+
+
+async def test_renewing_keeps_the_bill_and_an_abandoned_bill_lapses(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    """Issue 9, holes 4 and 13: a bill lives as long as its request is renewed, then lapses
+    after its retention; a settlement after that (or a duplicate) books nothing."""
+    store = make_store(lease_ttl_s=30, bill_retention_s=100)
+    renewed = await admitted(store, req(10, 10, rid="renewed"))
+    forgotten = await admitted(store, req(10, 10, rid="forgotten"))
+    for _ in range(6):  # 300 s: the lease is lost after 30, the bill kept by each renewal
+        clock.advance(50)
+        assert not await store.renew(renewed)
+    assert await in_flight(store) == (0, 0)
+    assert not await settle(store, forgotten, 10, 1)  # lapsed 100 s after its reservation
+    settlement = await store.settle(
+        renewed, SettleCause.COMPLETED, ActualUsage(10, 2), cost_pico=3, tenant=FREE
+    )
+    assert settlement.applied and settlement.lease_expired
+    assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 10, 2, 0, 3)}
+
+
+async def test_a_late_duplicate_settlement_books_nothing(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    """Issue 9, hole 13: idempotency does not depend on a retention window."""
+    store = make_store(lease_ttl_s=30)
+    first = await admitted(store, req(10, 10, rid="a"))
+    assert await settle(store, first, 10, 5, cost=7)
+    for hours in (0.5, 2, 30, 24 * 40):
+        clock.advance(hours * 3600)
+        other = await admitted(store, req(1, 1, rid=f"o{hours}"))  # sweeps and trims
+        assert await settle(store, other, 1, 1)
+        assert not await settle(store, first, 10, 5, cost=7)
+    assert (await store.usage_totals())[("t", "m")] == UsageTotals(5, 14, 9, 0, 7)
+
+
+# ---------------------------------------------------------------- abandon (interrupted reserve)
+
+
+async def test_abandon_releases_everything_a_reserve_took(make_store: StoreFactory) -> None:
+    """Issue 9, hole 7: the compensating release of a reserve whose outcome was lost."""
+    store = make_store()
+    policy = tenant(
+        limits=ScopeLimits(rpm=rpm(2), tpm=tpm(1000, refill=1e-9), concurrency=ConcurrencyRule(1)),
+        budgets=(BudgetRule(Period.DAY, 1000),),
+    )
+    lost = req(400, 400, cost=600, rid="x")
+    assert (await reserve(store, lost, policy)).admitted
+    await store.abandon(lost)
+    assert await in_flight(store) == (0, 0)
+    await store.abandon(lost)  # idempotent
+    assert await in_flight(store) == (0, 0)
+    # The whole of every limit is back: the RPM request, the tokens, the money, the slot.
+    full = await reserve(store, req(500, 500, cost=1000, rid="y"), policy)
+    assert full.admitted and full.budget_left_pico == 1000
+    assert full.rate_limits is not None
+    assert full.rate_limits.remaining_requests == 1 and full.rate_limits.remaining_tokens == 0
+    # A reserve for the abandoned request that lands late commits nothing.
+    assert full.reservation is not None
+    assert await settle(store, full.reservation, 0, 0, policy=policy)
+    late = await reserve(store, lost, policy)
+    assert not late.admitted and late.reservation is None
+    assert await in_flight(store) == (0, 0)
+    assert (await reserve(store, req(1, 1, rid="z"), policy)).admitted  # the slot is free
+    assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 0, 0, 0, 0)}
+
+
+async def test_abandon_is_harmless_when_nothing_was_committed(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    store = make_store(lease_ttl_s=30)
+    policy = tenant(limits=ScopeLimits(concurrency=ConcurrencyRule(2)))
+    await store.abandon(req(1, 1, rid="never"))  # nothing reserved: nothing to release
+    assert not (await reserve(store, req(1, 1, rid="never"), policy)).admitted
+    kept = await admitted(store, req(95, 100, rid="kept"), policy)
+    expired = await admitted(store, req(10, 10, rid="expired"), policy)
+    clock.advance(20)
+    assert await store.renew(kept)
+    clock.advance(20)
+    assert await in_flight(store) == (200, 1)  # `expired` was swept
+    await store.abandon(expired.request)  # frees nothing twice
+    assert await in_flight(store) == (200, 1)
+    assert (await reserve(store, req(1, 1, rid="second"), policy)).admitted
+    assert not await settle(store, expired, 10, 10)  # abandoned: nothing to bill
+    assert await settle(store, kept, 95, 1)
+    assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 95, 1, 0, 0)}
 
 
 async def test_renew_extends_a_lease(make_store: StoreFactory, clock: ManualClock) -> None:

@@ -1,7 +1,8 @@
 """The Redis store answers exactly as the memory store does: random runs, compared step by step.
 
 Both stores get the same random sequence of reservations, settlements (short, exact and
-overshooting answers), lease renewals, limit reloads and clock moves, on one ManualClock.
+overshooting answers; of live and of expired leases), lease renewals, abandoned reserves,
+limit reloads and clock moves, on one ManualClock.
 Every decision (reason, detail, Retry-After, violations, x-ratelimit-* view, budget left,
 reservation), every settlement, every expired lease and the final ledgers must be equal.
 """
@@ -156,7 +157,18 @@ async def test_redis_store_matches_memory_store(seed: int) -> None:
             elif roll < 0.82 and open_:
                 mem_res, red_res = rng.choice(open_)
                 assert await redis_store.renew(red_res) == await memory.renew(mem_res)
-            elif roll < 0.85:
+            elif roll < 0.84 and open_:
+                # An interrupted reserve: the compensating release (issue 9, hole 7).
+                mem_res, red_res = open_.pop(rng.randrange(len(open_)))
+                await memory.abandon(mem_res.request)
+                await redis_store.abandon(red_res.request)
+                backend = next(b for b in BACKENDS if b.name == red_res.request.backend)
+                policy = policies[red_res.request.tenant]
+                # A late copy of the reserve commits nothing (and sweeps as any reserve).
+                want = await memory.reserve(mem_res.request, backend, policy)
+                got = await redis_store.reserve(red_res.request, backend, policy)
+                assert not got.admitted and got == want, f"step {step}"
+            elif roll < 0.86:
                 name = rng.choice(list(policies))
                 policies[name] = random_policy(rng, name)  # a reload
             elif roll < 0.9:

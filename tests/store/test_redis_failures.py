@@ -89,6 +89,13 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
         yield running
 
 
+@pytest.fixture
+def durable_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """AOF with fsync on every write: leases and billing records survive a SIGKILL."""
+    with RedisServer(tmp_path / "redis", persistent=True) as running:
+        yield running
+
+
 def fallback_store(
     server: RedisServer, policy: FailurePolicy, events: _Recorder, max_pending: int = 100
 ) -> FallbackStore:
@@ -120,8 +127,9 @@ async def wait_for(predicate: object, within: float = 5.0) -> None:
 
 
 async def test_fail_closed_answers_within_the_timeout_and_reconciles(
-    server: RedisServer, events: _Recorder
+    durable_server: RedisServer, events: _Recorder
 ) -> None:
+    server = durable_server
     store = fallback_store(server, FailurePolicy.FAIL_CLOSED, events)
     try:
         held = (await store.reserve(req(1), BACKEND, TENANT)).reservation
@@ -149,7 +157,8 @@ async def test_fail_closed_answers_within_the_timeout_and_reconciles(
         with pytest.raises(StoreUnavailable):
             await store.usage_totals()
 
-        # ... and lands when Redis is back (empty: it kept nothing), before new admissions.
+        # ... and lands when Redis is back (its billing record survived), before new
+        # admissions.
         server.start()
         await wait_for(lambda: store.available)
         assert events.up == [False, True] and events.reconciled_kinds == ["settle"]
@@ -230,11 +239,11 @@ async def test_a_hung_redis_costs_each_call_at_most_the_timeout(
                 await call()
             assert time.monotonic() - started < TIMEOUT_S + 0.2
         server.resume()
-        # The timed-out settlement may or may not have landed: a late delivery applies once.
-        late = await shared.settle_late(
+        # The timed-out settlement may or may not have landed: a redelivery applies once.
+        late = await shared.settle(
             reservation, SettleCause.COMPLETED, ActualUsage(1, 1), cost_pico=0, tenant=TENANT
         )
-        again = await shared.settle_late(
+        again = await shared.settle(
             reservation, SettleCause.COMPLETED, ActualUsage(1, 1), cost_pico=0, tenant=TENANT
         )
         assert [late.applied, again.applied].count(True) <= 1

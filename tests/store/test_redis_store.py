@@ -24,6 +24,7 @@ from kvgate.policy import (
     TenantPolicy,
     UsageTotals,
 )
+from kvgate.store import MemoryStore
 from kvgate.store.redis_store import RedisStore, hash_tag
 from tests.store.conftest import REDIS_URL, delete_prefix
 
@@ -105,7 +106,7 @@ async def test_every_key_shares_one_slot_and_money_is_exact_at_rest(
         await delete_prefix(client, store.key_tag)
 
 
-async def test_late_settlement_books_once(client: aioredis.Redis) -> None:
+async def test_settlements_book_through_the_billing_record_once(client: aioredis.Redis) -> None:
     clock = ManualClock()
     store = make(client, clock, ttl=5)
     usage = ActualUsage(10, 4)
@@ -113,35 +114,54 @@ async def test_late_settlement_books_once(client: aioredis.Redis) -> None:
         live = (await store.reserve(req(50), BACKEND, TENANT)).reservation
         expired = (await store.reserve(req(50), BACKEND, TENANT)).reservation
         assert live and expired
-        # A lease still there: settled normally (its hold is released).
-        first = await store.settle_late(
-            live, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT
-        )
-        assert first.applied
-        # Settled already: a late copy applies nothing.
+        first = await store.settle(live, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT)
+        assert first.applied and not first.lease_expired
+        # Settled already: a copy applies nothing (the record was consumed).
         assert not (
-            await store.settle_late(live, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT)
+            await store.settle(live, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT)
         ).applied
-        # Expired (its hold released, nothing charged): the late settlement books the usage.
+        # Expired (its hold released, nothing charged): the settlement books the usage once.
         clock.advance(6)
         await store.backend_status()
+        late = await store.settle(
+            expired, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT
+        )
+        assert late.applied and late.lease_expired
         assert not (
             await store.settle(expired, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT)
-        ).applied  # the ordinary path keeps the memory store's contract
-        assert (
-            await store.settle_late(
-                expired, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT
-            )
-        ).applied
-        assert not (
-            await store.settle_late(
-                expired, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT
-            )
         ).applied
         assert await store.usage_totals() == {("t", "m"): UsageTotals(2, 20, 8, 0, 80)}
         month = live.hold.period_keys[1][1] if live.hold else ""
         usage_now = await store.tenant_usage("t", [month])
         assert usage_now.spent_pico == {month: 80} and usage_now.reserved_pico == {month: 0}
+        # Nothing is left behind: no lease, no billing record, no request index.
+        tag = store.key_tag
+        for key in (f"{tag}:bill", f"{tag}:billx", f"{tag}:rq", f"{tag}:leases", f"{tag}:r|b"):
+            assert not await client.exists(key), key
+    finally:
+        await delete_prefix(client, store.key_tag)
+
+
+async def test_a_local_admission_is_booked_once_per_id(client: aioredis.Redis) -> None:
+    """The usage of a request admitted by a replica's local fallback has no billing record
+    in Redis: it is booked once per reservation id."""
+    clock = ManualClock()
+    store = make(client, clock)
+    local = MemoryStore(lease_ttl_s=60, clock=clock)
+    usage = ActualUsage(10, 4)
+    try:
+        held = (await local.reserve(req(50), BACKEND, TENANT)).reservation
+        assert held is not None
+        for expected in (True, False):
+            settlement = await store.settle_local(
+                held, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT
+            )
+            assert settlement.applied is expected
+        # Through the ordinary path it is unknown here: nothing booked.
+        assert not (
+            await store.settle(held, SettleCause.COMPLETED, usage, cost_pico=40, tenant=TENANT)
+        ).applied
+        assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 10, 4, 0, 40)}
     finally:
         await delete_prefix(client, store.key_tag)
 

@@ -77,11 +77,17 @@ async def test_expired_leases_free_capacity_and_are_reported() -> None:
     clock.advance(31)
     assert (await store.reserve(req(10, 10), LIMITS, TENANT)).admitted
     assert [r.reservation_id for r in expired] == [lost.reservation.reservation_id]
-    # A late settlement of an expired lease charges nothing and frees nothing twice.
+    # A late settlement of an expired lease is billed once and frees nothing twice.
     late = await store.settle(
         lost.reservation, SettleCause.COMPLETED, ActualUsage(500, 1), cost_pico=0, tenant=TENANT
     )
-    assert not late.applied
+    assert late.applied and late.lease_expired
+    [status] = await store.backend_status()
+    assert status.requests_in_flight == 1
+    again = await store.settle(
+        lost.reservation, SettleCause.COMPLETED, ActualUsage(500, 1), cost_pico=0, tenant=TENANT
+    )
+    assert not again.applied
 
 
 async def test_renewed_lease_survives() -> None:

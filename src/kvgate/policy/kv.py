@@ -139,8 +139,10 @@ class BackendLedger:
         return reservation
 
     def renew(self, reservation_id: str, now: float, lease_ttl_s: float) -> bool:
+        """Extend a live lease. One already past its expiry is lost even before a sweep
+        frees it: renewing it would resurrect capacity another replica may have counted."""
         reservation = self.in_flight.get(reservation_id)
-        if reservation is None:
+        if reservation is None or reservation.expires_at <= now:
             return False
         self.in_flight[reservation_id] = replace(reservation, expires_at=now + lease_ttl_s)
         return True

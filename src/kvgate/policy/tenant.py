@@ -287,17 +287,44 @@ def release(
     used_tokens: int,
     cost_pico: int,
     now: float,
+    refund_request: bool = False,
 ) -> None:
-    """Settle: refund unused tokens (or charge the overshoot), free the slot, book the cost."""
+    """Settle: refund unused tokens (or charge the overshoot), free the slot, book the cost.
+
+    `refund_request`: also give the RPM request back (an abandoned reserve: nothing was
+    served, so nothing at all is kept)."""
     limits_by_scope = dict(policy.scopes(hold.model))
     for scope_key in hold.concurrency_scopes:
         limits = limits_by_scope.get(scope_key, ScopeLimits())
         scope = state.scope(scope_key, limits, now)
         scope.in_flight = max(0, scope.in_flight - 1)
+        if refund_request and scope.requests is not None:
+            scope.requests.give_back(1, now)
         if scope.tokens is not None:
             scope.tokens.give_back(hold.tokens - used_tokens, now)
     for _, key in hold.period_keys:
         state.reserved[key] = max(0, state.reserved.get(key, 0) - hold.cost_pico)
+        state.spent[key] = state.spent.get(key, 0) + cost_pico
+
+
+def charge_expired(
+    policy: TenantPolicy,
+    state: TenantState,
+    hold: TenantHold,
+    *,
+    used_tokens: int,
+    cost_pico: int,
+    now: float,
+) -> None:
+    """Bill a request whose lease expired before it settled. The expiry already gave the
+    hold back (slot, tokens, reserved money) as if nothing was used; now take what was."""
+    limits_by_scope = dict(policy.scopes(hold.model))
+    for scope_key in hold.concurrency_scopes:
+        limits = limits_by_scope.get(scope_key, ScopeLimits())
+        scope = state.scope(scope_key, limits, now)
+        if scope.tokens is not None:
+            scope.tokens.take(used_tokens, now)
+    for _, key in hold.period_keys:
         state.spent[key] = state.spent.get(key, 0) + cost_pico
 
 

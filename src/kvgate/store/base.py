@@ -16,6 +16,7 @@ from kvgate.policy import (
     BackendLimits,
     BackendStatus,
     Decision,
+    Reason,
     Reservation,
     SettleCause,
     Settlement,
@@ -24,6 +25,22 @@ from kvgate.policy import (
 )
 
 ExpiredLeaseHook = Callable[[Reservation], None]
+
+# A reservation's billing record outlives its lease by this much after the last reserve or
+# renew: longer than any request runs, so its settlement is booked, once, however late.
+BILL_RETENTION_S = 86_400.0
+# After abandon(), a reserve for the same request that lands late (its reply was lost)
+# commits nothing for this long.
+ABANDON_RETENTION_S = 3_600.0
+
+
+def abandoned_decision(request: AdmissionRequest) -> Decision:
+    """What a reserve for an abandoned request answers: nothing was committed."""
+    return Decision(
+        admitted=False,
+        reason=Reason.INTERNAL_ERROR,
+        detail=f"Request {request.request_id!r} was abandoned; it cannot be admitted again.",
+    )
 
 
 @dataclass(slots=True)
@@ -59,11 +76,23 @@ class StateStore(Protocol):
         cost_pico: int,
         tenant: TenantPolicy,
     ) -> Settlement:
-        """Release the reservation and book usage. Idempotent: a second call applies nothing."""
+        """Release the reservation and book usage, exactly once: the billing record is consumed
+        by the first call, so a second (or late duplicate) applies nothing. A reservation
+        whose lease expired is still booked (`lease_expired=True`)."""
         ...
 
     async def renew(self, reservation: Reservation) -> bool:
-        """Extend a live stream's lease; False if it is gone (settled or expired)."""
+        """Extend a live request's lease; False if the lease is lost (settled, abandoned or
+        expired). Also keeps the billing record alive: an expired request is still billable,
+        and settle() books it once (`Settlement.lease_expired`)."""
+        ...
+
+    async def abandon(self, request: AdmissionRequest) -> None:
+        """Compensate a reserve() whose outcome the caller does not know (cancelled, timed
+        out): release whatever it committed for `request.request_id` (KV, slots, the RPM and
+        TPM tokens and the budget hold it took; nothing is billed), and make a reserve() for
+        that request that lands later commit nothing. Idempotent; harmless when nothing was
+        committed. The (tenant, request id) pair must identify one admission."""
         ...
 
     async def backend_status(self) -> list[BackendStatus]: ...

@@ -10,11 +10,20 @@
   - `fail_open`: `reserve` decides with the local store (the same limits, per replica), and
     every such decision is reported.
 - Settlements never get lost on the way: a settlement of a Redis lease that cannot be
-  delivered is queued, and so is the usage of every request admitted locally. When the probe
-  succeeds the queue is delivered first (`RedisStore.settle_late`: settles the lease if it
-  still exists, else books the usage once), then Redis is marked up again.
+  delivered is queued, and so is the usage of every request admitted locally.
+- Nothing a live request holds in Redis is lost to an outage, and nothing an interrupted
+  call left there stays held. When the probe succeeds, before Redis is marked up again:
+  1. the renewals skipped meanwhile are replayed for every Redis lease this replica still
+     holds (`RedisStore.renew_many(revive=True)`: one that lapsed during the outage is held
+     again, since its request is still running);
+  2. every reserve whose outcome was lost (timed out or failed: it may have landed, or may
+     still land) and every abandon that could not reach Redis is abandoned there
+     (`RedisStore.abandon`: releases it, and a reserve landing later commits nothing). Under
+     `fail_open` that request is served by its local reservation, so it is not held twice;
+  3. the queue is delivered in order (`RedisStore.settle`: books through the reservation's
+     billing record, once; `RedisStore.settle_local` for local admissions).
 - The queue is bounded (`max_pending`); past it the oldest entry is dropped and reported (its
-  lease, if any, still expires in Redis on its own).
+  lease, if any, still expires in Redis on its own). So is the list of reserves to abandon.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ from kvgate.store.memory import MemoryStore
 from kvgate.store.redis_store import RedisStore
 
 log = logging.getLogger("kvgate.store")
+
+# Leases renewed per round trip when renewals are replayed after an outage.
+_REPLAY_BATCH = 256
 
 
 class FailurePolicy(enum.StrEnum):
@@ -123,6 +135,14 @@ class FallbackStore:
         self._pending: deque[_Pending] = deque()
         self._max_pending = max_pending
         self._local_ids: set[str] = set()
+        # (tenant, request id) -> reservation id of local reservations, for abandon().
+        self._local_by_request: dict[tuple[str, str], str] = {}
+        # Redis leases this replica holds (admitted, not yet settled or abandoned): their
+        # renewals are replayed after an outage.
+        self._live: dict[str, Reservation] = {}
+        # Requests whose Redis reserve may have landed unseen, or whose abandon could not
+        # reach Redis: abandoned there on recovery.
+        self._orphans: dict[tuple[str, str], AdmissionRequest] = {}
         self._up = True
         self._recovery: asyncio.Task[None] | None = None
         self._closed = False
@@ -164,6 +184,8 @@ class FallbackStore:
             await asyncio.sleep(self._probe_interval_s)
             try:
                 await self._shared.ping()
+                await self._replay_renewals()
+                await self._abandon_orphans()
                 await self._drain()
             except StoreUnavailable:
                 continue
@@ -172,20 +194,59 @@ class FallbackStore:
             self._events.availability(True)
             return
 
+    async def _replay_renewals(self) -> None:
+        """Renew every Redis lease still held here, reviving those that lapsed meanwhile."""
+        live = list(self._live.values())
+        for start in range(0, len(live), _REPLAY_BATCH):
+            batch = live[start : start + _REPLAY_BATCH]
+            states = await self._shared.renew_many(batch, revive=True)
+            revived = states.count(2)
+            lost = [r.reservation_id for r, state in zip(batch, states, strict=True) if not state]
+            if revived or lost:
+                log.warning(
+                    "leases after the outage: %d revived, %d lost",
+                    revived,
+                    len(lost),
+                    extra={"lost": lost[:20]},
+                )
+
+    async def _abandon_orphans(self) -> None:
+        for key, request in list(self._orphans.items()):
+            await self._shared.abandon(request)
+            # A newer entry for the same request (abandoned meanwhile) is equivalent.
+            self._orphans.pop(key, None)
+
+    def _orphan(self, request: AdmissionRequest) -> None:
+        key = (request.tenant, request.request_id)
+        self._orphans.pop(key, None)
+        if len(self._orphans) >= self._max_pending:
+            lost = next(iter(self._orphans))
+            del self._orphans[lost]
+            log.error("too many reserves to abandon: dropped the oldest", extra={"key": lost})
+        self._orphans[key] = request
+
     async def _drain(self) -> None:
         """Deliver queued settlements in order; stops at the first failure (raised)."""
         while self._pending:
             item = self._pending[0]
-            await self._shared.settle_late(
+            await self._send(item)
+            self._pending.popleft()
+            self._events.reconciled(item.kind)
+            self._events.pending(len(self._pending))
+
+    async def _send(self, item: _Pending) -> Settlement:
+        if item.kind == "local":
+            return await self._shared.settle_local(
                 item.reservation,
                 item.cause,
                 item.usage,
                 cost_pico=item.cost_pico,
                 tenant=item.tenant,
             )
-            self._pending.popleft()
-            self._events.reconciled(item.kind)
-            self._events.pending(len(self._pending))
+        # A Redis lease: its billing record books it once, however late this arrives.
+        return await self._shared.settle(
+            item.reservation, item.cause, item.usage, cost_pico=item.cost_pico, tenant=item.tenant
+        )
 
     def _enqueue(self, item: _Pending) -> None:
         if len(self._pending) >= self._max_pending:
@@ -205,9 +266,15 @@ class FallbackStore:
     ) -> Decision:
         if self._up:
             try:
-                return await self._shared.reserve(request, backend, tenant)
+                decision = await self._shared.reserve(request, backend, tenant)
             except StoreUnavailable as exc:
+                # It may have landed, or may still land: release it there on recovery.
+                self._orphan(request)
                 self._mark_down("reserve", exc)
+            else:
+                if decision.reservation is not None:
+                    self._live[decision.reservation.reservation_id] = decision.reservation
+                return decision
         if self._policy is FailurePolicy.FAIL_CLOSED:
             raise StoreUnavailable(
                 "the shared state store is unavailable", retry_after_s=self._retry_after_s
@@ -216,6 +283,9 @@ class FallbackStore:
         self._events.fallback_decision(decision.admitted)
         if decision.reservation is not None:
             self._local_ids.add(decision.reservation.reservation_id)
+            self._local_by_request[(request.tenant, request.request_id)] = (
+                decision.reservation.reservation_id
+            )
         return decision
 
     async def precheck(
@@ -234,8 +304,12 @@ class FallbackStore:
         tenant: TenantPolicy,
     ) -> Settlement:
         reservation_id = reservation.reservation_id
+        self._live.pop(reservation_id, None)
         if reservation_id in self._local_ids:
             self._local_ids.discard(reservation_id)
+            key = (reservation.request.tenant, reservation.request.request_id)
+            if self._local_by_request.get(key) == reservation_id:
+                del self._local_by_request[key]
             settlement = await self._local.settle(
                 reservation, cause, usage, cost_pico=cost_pico, tenant=tenant
             )
@@ -264,13 +338,7 @@ class FallbackStore:
     async def _deliver(self, item: _Pending) -> None:
         if self._up and not self._pending:
             try:
-                await self._shared.settle_late(
-                    item.reservation,
-                    item.cause,
-                    item.usage,
-                    cost_pico=item.cost_pico,
-                    tenant=item.tenant,
-                )
+                await self._send(item)
             except StoreUnavailable as exc:
                 self._mark_down("settle", exc)
             else:
@@ -282,12 +350,33 @@ class FallbackStore:
         if reservation.reservation_id in self._local_ids:
             return await self._local.renew(reservation)
         if not self._up:
-            return True  # unknown: the stream goes on; its lease may expire meanwhile
+            # Unknown: the request goes on, and its renewal is replayed on recovery.
+            return True
         try:
             return await self._shared.renew(reservation)
         except StoreUnavailable as exc:
             self._mark_down("renew", exc)
             return True
+
+    async def abandon(self, request: AdmissionRequest) -> None:
+        key = (request.tenant, request.request_id)
+        local_id = self._local_by_request.pop(key, None)
+        if local_id is not None:
+            self._local_ids.discard(local_id)
+        await self._local.abandon(request)
+        for reservation_id, held in list(self._live.items()):
+            if (held.request.tenant, held.request.request_id) == key:
+                del self._live[reservation_id]
+        if self._up:
+            try:
+                await self._shared.abandon(request)
+            except StoreUnavailable as exc:
+                self._mark_down("abandon", exc)
+            else:
+                self._orphans.pop(key, None)
+                return
+        # Redis may hold (or still receive) a reservation for it: release it on recovery.
+        self._orphan(request)
 
     async def backend_status(self) -> list[BackendStatus]:
         merged: dict[str, BackendStatus] = {}

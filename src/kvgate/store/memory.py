@@ -25,7 +25,14 @@ from kvgate.policy import (
     precheck,
     settle_tenant,
 )
-from kvgate.store.base import ExpiredLeaseHook, TenantUsage
+from kvgate.policy import tenant as tenant_limits
+from kvgate.store.base import (
+    ABANDON_RETENTION_S,
+    BILL_RETENTION_S,
+    ExpiredLeaseHook,
+    TenantUsage,
+    abandoned_decision,
+)
 
 # Expired leases are swept at most this often, on the admission path.
 _SWEEP_INTERVAL_S = 1.0
@@ -42,9 +49,21 @@ class MemoryStore:
         lease_ttl_s: float,
         clock: Clock | None = None,
         on_lease_expired: ExpiredLeaseHook | None = None,
+        bill_retention_s: float = BILL_RETENTION_S,
+        abandon_retention_s: float = ABANDON_RETENTION_S,
     ) -> None:
         self._clock = clock or MonotonicClock()
         self._lease_ttl_s = lease_ttl_s
+        # Billing records: reservation id -> (the reservation, when the record lapses). A
+        # record outlives its lease (an expired request is still billed) and is consumed by
+        # the first settlement, which makes settling idempotent for as long as it can matter.
+        self._bills: dict[str, tuple[Reservation, float]] = {}
+        self._bill_retention_s = max(bill_retention_s, lease_ttl_s)
+        # (tenant, request id) -> reservation id, for abandon(); and abandoned requests ->
+        # until when a reserve for them commits nothing.
+        self._by_request: dict[tuple[str, str], str] = {}
+        self._abandoned: dict[tuple[str, str], float] = {}
+        self._abandon_retention_s = abandon_retention_s
         self._backends: dict[str, BackendLedger] = {}
         self._tenants: dict[str, TenantState] = {}
         self._policies: dict[str, TenantPolicy] = {}
@@ -78,6 +97,18 @@ class MemoryStore:
                 self._release_tenant_hold(reservation, now)
                 if self._on_lease_expired is not None:
                     self._on_lease_expired(reservation)
+        for reservation_id, (reservation, lapses_at) in list(self._bills.items()):
+            if lapses_at <= now:
+                self._drop_bill(reservation_id, reservation)
+        for key, until in list(self._abandoned.items()):
+            if until <= now:
+                del self._abandoned[key]
+
+    def _drop_bill(self, reservation_id: str, reservation: Reservation) -> None:
+        self._bills.pop(reservation_id, None)
+        key = (reservation.request.tenant, reservation.request.request_id)
+        if self._by_request.get(key) == reservation_id:
+            del self._by_request[key]
 
     def _release_tenant_hold(self, reservation: Reservation, now: float) -> None:
         """An expired lease frees its tenant slot and reservation; nothing is charged."""
@@ -90,8 +121,11 @@ class MemoryStore:
     ) -> Decision:
         now = self._clock.now()
         self._sweep(now)
+        key = (request.tenant, request.request_id)
+        if self._abandoned.get(key, now) > now:
+            return abandoned_decision(request)
         self._policies[tenant.name] = tenant
-        return admit(
+        decision = admit(
             request,
             backend=self._backend(backend),
             policy=tenant,
@@ -101,6 +135,11 @@ class MemoryStore:
             wall=self._clock.wall(),
             lease_ttl_s=self._lease_ttl_s,
         )
+        reservation = decision.reservation
+        if reservation is not None:
+            self._bills[reservation.reservation_id] = (reservation, now + self._bill_retention_s)
+            self._by_request[key] = reservation.reservation_id
+        return decision
 
     async def precheck(
         self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
@@ -127,36 +166,83 @@ class MemoryStore:
         now = self._clock.now()
         request = reservation.request
         backend = self._backends.get(request.backend)
-        released = backend.release(reservation.reservation_id) if backend else None
         duration = now - reservation.started_at
         settlement = Settlement(
             reservation_id=reservation.reservation_id,
             cause=cause,
             usage=usage,
             reserved_kv_tokens=reservation.kv_tokens,
-            applied=released is not None,
+            applied=False,
             duration_s=duration,
             cost_pico=cost_pico,
         )
-        if released is None:
-            return settlement
-        settle_tenant(tenant, self._tenant(request.tenant), released, usage, cost_pico, now)
+        bill = self._bills.get(reservation.reservation_id)
+        if bill is None:
+            return settlement  # settled or abandoned before, or its record lapsed
+        billed, lapses_at = bill
+        self._drop_bill(reservation.reservation_id, billed)
+        if lapses_at <= now:
+            return settlement  # nobody renewed or settled it for its whole retention
+        released = backend.release(reservation.reservation_id) if backend else None
+        state = self._tenant(request.tenant)
+        if released is not None:
+            settle_tenant(tenant, state, released, usage, cost_pico, now)
+        elif billed.hold is not None:
+            # The lease expired (capacity freed, hold given back): bill what was used.
+            tenant_limits.charge_expired(
+                tenant,
+                state,
+                billed.hold,
+                used_tokens=usage.total_tokens,
+                cost_pico=cost_pico,
+                now=now,
+            )
         self._totals.setdefault((request.tenant, request.model), UsageTotals()).add(
             usage, cost_pico
         )
-        for _, key in released.hold.period_keys if released.hold else ():
+        for _, key in billed.hold.period_keys if billed.hold else ():
             self._ledger.setdefault((request.tenant, key, request.model), UsageTotals()).add(
                 usage, cost_pico
             )
         if cause is SettleCause.COMPLETED and backend is not None:
             backend.throughput.observe(duration, usage.output_tokens)
-        return settlement
+        return replace(settlement, applied=True, lease_expired=released is None)
 
     async def renew(self, reservation: Reservation) -> bool:
+        now = self._clock.now()
+        bill = self._bills.get(reservation.reservation_id)
+        if bill is not None:
+            # While anyone renews, the request is open: keep its bill however long it runs.
+            self._bills[reservation.reservation_id] = (bill[0], now + self._bill_retention_s)
         backend = self._backends.get(reservation.request.backend)
         if backend is None:
             return False
-        return backend.renew(reservation.reservation_id, self._clock.now(), self._lease_ttl_s)
+        return backend.renew(reservation.reservation_id, now, self._lease_ttl_s)
+
+    async def abandon(self, request: AdmissionRequest) -> None:
+        now = self._clock.now()
+        key = (request.tenant, request.request_id)
+        self._abandoned[key] = now + self._abandon_retention_s
+        reservation_id = self._by_request.pop(key, None)
+        if reservation_id is None:
+            return
+        bill = self._bills.pop(reservation_id, None)
+        # The backend it was reserved on (a fallback reserves on another model's backend).
+        name = bill[0].request.backend if bill is not None else request.backend
+        backend = self._backends.get(name)
+        released = backend.release(reservation_id) if backend else None
+        if released is None or released.hold is None:
+            return  # its lease expired: the expiry gave everything back already
+        tenant = released.request.tenant
+        tenant_limits.release(
+            self._policies.get(tenant, TenantPolicy(name=tenant)),
+            self._tenant(tenant),
+            released.hold,
+            used_tokens=0,
+            cost_pico=0,
+            now=now,
+            refund_request=True,
+        )
 
     async def backend_status(self) -> list[BackendStatus]:
         self._sweep(self._clock.now())

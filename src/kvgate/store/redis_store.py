@@ -54,7 +54,13 @@ from kvgate.policy import (
     period_key,
 )
 from kvgate.policy.tenant import TENANT_SCOPE, ScopeState
-from kvgate.store.base import ExpiredLeaseHook, TenantUsage
+from kvgate.store.base import (
+    ABANDON_RETENTION_S,
+    BILL_RETENTION_S,
+    ExpiredLeaseHook,
+    TenantUsage,
+    abandoned_decision,
+)
 from kvgate.store.errors import StoreUnavailable
 
 log = logging.getLogger("kvgate.store.redis")
@@ -107,8 +113,10 @@ class RedisSettings:
     # Calls in flight at once per replica (and connections per Redis node); more wait their
     # turn, within the same timeout.
     max_connections: int = 64
-    # How long settled reservation ids are remembered (deduplicates late settlements).
-    settled_id_retention_s: float = 600.0
+    # How long the ids of requests admitted by the local fallback are remembered once their
+    # usage is booked (deduplicates a redelivery after a timed-out delivery). Settlements of
+    # Redis reservations need no window: their billing record is consumed once.
+    settled_id_retention_s: float = BILL_RETENTION_S
 
 
 def connect(settings: RedisSettings) -> aioredis.Redis | RedisCluster:
@@ -299,9 +307,11 @@ class RedisStore:
         key_prefix: str = "kvgate",
         timeout_s: float = 0.25,
         max_in_flight: int = 64,
-        settled_id_retention_s: float = 600.0,
+        settled_id_retention_s: float = BILL_RETENTION_S,
         clock: Clock | None = None,
         on_lease_expired: ExpiredLeaseHook | None = None,
+        bill_retention_s: float = BILL_RETENTION_S,
+        abandon_retention_s: float = ABANDON_RETENTION_S,
     ) -> None:
         self._client = client
         # redis-py's pool fails (not waits) when it runs out of connections: queue here
@@ -317,12 +327,15 @@ class RedisStore:
         self._lease_ttl_s = lease_ttl_s
         self._timeout_s = timeout_s
         self._settled_id_retention_s = settled_id_retention_s
+        self._bill_retention_s = max(bill_retention_s, lease_ttl_s)
+        self._abandon_retention_s = abandon_retention_s
         # None in production: the scripts read Redis TIME. A test clock is sent as ARGV.
         self._clock = clock
         self._on_lease_expired = on_lease_expired
         self._reserve = client.register_script(_script("reserve.lua"))
         self._settle = client.register_script(_script("settle.lua"))
         self._renew = client.register_script(_script("renew.lua"))
+        self._abandon = client.register_script(_script("abandon.lua"))
         self._status = client.register_script(_script("status.lua"))
         self._usage = client.register_script(_script("usage.lua"))
 
@@ -404,6 +417,7 @@ class RedisStore:
             {
                 "id": reservation_id,
                 "ttl": self._lease_ttl_s,
+                "keep": self._bill_retention_s,
                 "rid": request.request_id,
                 "t": request.tenant,
                 "m": request.model,
@@ -424,6 +438,8 @@ class RedisStore:
             _policy_rules(tenant),
         )
         self._report_expired(result.get("exp"))
+        if result.get("ab"):
+            return abandoned_decision(request)
         decision = admit(
             request,
             backend=_BackendView(backend, result),
@@ -464,10 +480,10 @@ class RedisStore:
         tenant: TenantPolicy,
     ) -> Settlement:
         return await self._settle_call(
-            reservation, cause, usage, cost_pico=cost_pico, tenant=tenant, late=False
+            reservation, cause, usage, cost_pico=cost_pico, tenant=tenant, local=False
         )
 
-    async def settle_late(
+    async def settle_local(
         self,
         reservation: Reservation,
         cause: SettleCause,
@@ -476,11 +492,11 @@ class RedisStore:
         cost_pico: int,
         tenant: TenantPolicy,
     ) -> Settlement:
-        """A settlement that could not be delivered when it happened (Redis was down), or the
-        end of a request a replica admitted locally while Redis was down. Settles the lease if
-        it is still there; otherwise books the usage anyway, once per reservation id."""
+        """Book the usage of a request a replica admitted with its local store while Redis was
+        down (it never had a reservation here): once per reservation id, remembered for
+        `settled_id_retention_s` against a redelivery."""
         return await self._settle_call(
-            reservation, cause, usage, cost_pico=cost_pico, tenant=tenant, late=True
+            reservation, cause, usage, cost_pico=cost_pico, tenant=tenant, local=True
         )
 
     async def _settle_call(
@@ -491,7 +507,7 @@ class RedisStore:
         *,
         cost_pico: int,
         tenant: TenantPolicy,
-        late: bool,
+        local: bool,
     ) -> Settlement:
         request = reservation.request
         hold = reservation.hold
@@ -516,7 +532,7 @@ class RedisStore:
                 "ct": usage.cached_tokens,
                 "cost": str(cost_pico),
                 "completed": cause is SettleCause.COMPLETED,
-                "late": late,
+                "loc": local,
                 "keep": self._settled_id_retention_s,
                 "sc": [_rule(limits, key) for key, limits in tenant.scopes(model)],
             },
@@ -529,19 +545,38 @@ class RedisStore:
             applied=bool(result["ok"]),
             duration_s=float(result["now"]) - reservation.started_at,
             cost_pico=cost_pico,
+            lease_expired=bool(result["expired"]),
         )
 
     async def renew(self, reservation: Reservation) -> bool:
+        return (await self.renew_many([reservation]))[0] == 1
+
+    async def renew_many(
+        self, reservations: Sequence[Reservation], *, revive: bool = False
+    ) -> list[int]:
+        """Renew several leases in one round trip: per lease 1 (extended), 0 (lost) or, with
+        `revive`, 2 (it had lapsed while its request is still open, and is held again).
+        `revive` is for replaying renewals after an outage (FallbackStore)."""
+        if not reservations:
+            return []
         result = await self._run(
             "renew",
             self._renew,
             {
-                "id": reservation.reservation_id,
-                "b": reservation.request.backend,
+                "l": [[r.reservation_id, r.request.backend] for r in reservations],
                 "ttl": self._lease_ttl_s,
+                "keep": self._bill_retention_s,
+                "revive": revive,
             },
         )
-        return bool(result)
+        return [int(state) for state in _list(result)]
+
+    async def abandon(self, request: AdmissionRequest) -> None:
+        await self._run(
+            "abandon",
+            self._abandon,
+            {"t": request.tenant, "rid": request.request_id, "ab": self._abandon_retention_s},
+        )
 
     async def backend_status(self) -> list[BackendStatus]:
         result = await self._run("status", self._status, {})

@@ -226,21 +226,31 @@ end
 -- unused tokens (or charge the overshoot), move the money from reserved to spent.
 -- `limits` maps scope -> rules of the current policy; nil (a sweep, which has no policy at
 -- hand) uses the rules of the tenant's last reservation, as the memory store does.
-local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now)
+-- The tenant's rules of its last reservation (what a sweep or an abandon settles against).
+local function last_limits(h)
+  local limits = {}
+  local pol = redis.call('HGET', h, 'pol')
+  if pol then
+    for _, lim in ipairs(cjson.decode(pol)) do
+      limits[lim.k] = lim
+    end
+  end
+  return limits
+end
+
+-- `refund_request`: also give the RPM request back (abandon: nothing at all is kept).
+local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now, refund_request)
   local h = tenant_key(P, rec.t)
   if not limits then
-    limits = {}
-    local pol = redis.call('HGET', h, 'pol')
-    if pol then
-      for _, lim in ipairs(cjson.decode(pol)) do
-        limits[lim.k] = lim
-      end
-    end
+    limits = last_limits(h)
   end
   for _, s in ipairs(rec.sc) do
     local sc = scope_load(h, s)
     scope_sync(sc, limits[s] or {}, now)
     sc.n = math.max(0, sc.n - 1)
+    if refund_request and sc.r then
+      give_back(sc.r, 1, now)
+    end
     if sc.t then
       give_back(sc.t, rec.tk - used_tokens, now)
     end
@@ -255,6 +265,71 @@ local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now)
     end
     redis.call('HSET', h, 'rs|' .. key, m_str(rh, rl))
     hmoney_add(h, 'sp|' .. key, cost_h, cost_l)
+  end
+end
+
+-- Bill a request whose lease expired before it settled (policy/tenant.py charge_expired):
+-- the expiry gave the hold back as if nothing was used; take what was.
+local function charge_expired(P, rec, used_tokens, cost_h, cost_l, limits, now)
+  local h = tenant_key(P, rec.t)
+  for _, s in ipairs(rec.sc) do
+    local sc = scope_load(h, s)
+    scope_sync(sc, limits[s] or {}, now)
+    if sc.t then
+      take(sc.t, used_tokens, now)
+    end
+    scope_save(h, sc)
+  end
+  for _, key in ipairs({ rec.dk, rec.mk }) do
+    hmoney_add(h, 'sp|' .. key, cost_h, cost_l)
+  end
+end
+
+-- Take a swept reservation's hold again (a lease revived after an outage): the reverse of
+-- release_hold with nothing used.
+local function retake_hold(P, rec, now)
+  local h = tenant_key(P, rec.t)
+  local limits = last_limits(h)
+  for _, s in ipairs(rec.sc) do
+    local sc = scope_load(h, s)
+    scope_sync(sc, limits[s] or {}, now)
+    sc.n = sc.n + 1
+    if sc.t then
+      take(sc.t, rec.tk, now)
+    end
+    scope_save(h, sc)
+  end
+  local cost_h, cost_l = m_parse(rec.cost)
+  for _, key in ipairs({ rec.dk, rec.mk }) do
+    hmoney_add(h, 'rs|' .. key, cost_h, cost_l)
+  end
+end
+
+-- ---------------------------------------------------------------- billing records
+-- "<p>:bill" id -> the reservation record (with its backend, "b"), from reserve to the
+-- first settle (or abandon): it survives the lease, so an expired request is still billed,
+-- and consuming it makes settlement idempotent. "<p>:billx" id -> when it lapses (refreshed
+-- by renew). "<p>:rq" "<tenant>|<request id>" -> "<backend>|<id>", for abandon.
+
+local function bill_drop(P, id, rec)
+  redis.call('HDEL', P .. ':bill', id)
+  redis.call('ZREM', P .. ':billx', id)
+  local rq = rec.t .. '|' .. rec.rid
+  if redis.call('HGET', P .. ':rq', rq) == rec.b .. '|' .. id then
+    redis.call('HDEL', P .. ':rq', rq)
+  end
+end
+
+-- Forget billing records nobody renewed or settled for their whole retention.
+local function bill_sweep(P, now, limit)
+  local due = redis.call('ZRANGEBYSCORE', P .. ':billx', '-inf', num(now), 'LIMIT', 0, limit)
+  for _, id in ipairs(due) do
+    local raw = redis.call('HGET', P .. ':bill', id)
+    if raw then
+      bill_drop(P, id, rec_decode(raw))
+    else
+      redis.call('ZREM', P .. ':billx', id)
+    end
   end
 end
 
@@ -281,9 +356,10 @@ local function sweep(P, now, limit)
       redis.call('HDEL', rk, id)
       local rec = rec_decode(raw)
       release_backend(P, backend, rec)
-      release_hold(P, rec, 0, 0, 0, nil, now)
+      release_hold(P, rec, 0, 0, 0, nil, now, false)
       out[#out + 1] = { backend, id, due[i + 1], raw }
     end
   end
+  bill_sweep(P, now, limit)
   return out
 end

@@ -7,6 +7,13 @@ local P = ARGV[1]
 local a = cjson.decode(ARGV[2])
 local now, wall = clock(a)
 local expired = sweep(P, now, 100)
+-- An abandoned request (its caller gave up on this very call, or on an earlier attempt)
+-- commits nothing: this reserve landed after its compensating release.
+local rq = a.t .. '|' .. a.rid
+local gone = redis.call('ZSCORE', P .. ':ab', rq)
+if gone and tonumber(gone) > now then
+  return cjson.encode({ ab = true, ok = false, now = num(now), wall = num(wall), exp = expired })
+end
 local dk, mk = period_keys(wall)
 local th = tenant_key(P, a.t)
 -- The tenant's rules (every scope), kept verbatim (exact floats) for sweeps of its leases.
@@ -149,10 +156,14 @@ if admitted then
   end
   local rec = rec_encode({
     rid = a.rid, t = a.t, m = a.m, p = a.p, x = a.x, c = a.c, cost = a.cost, kv = a.kv,
-    s = num(now), tk = a.tk, sc = keys, dk = dk, mk = mk,
+    s = num(now), tk = a.tk, sc = keys, dk = dk, mk = mk, b = a.b,
   })
   redis.call('HSET', rk, a.id, rec)
   redis.call('ZADD', P .. ':leases', num(now + a.ttl), a.b .. '|' .. a.id)
+  -- The billing record: outlives the lease, consumed by the first settlement.
+  redis.call('HSET', P .. ':bill', a.id, rec)
+  redis.call('ZADD', P .. ':billx', num(now + a.keep), a.id)
+  redis.call('HSET', P .. ':rq', rq, a.b .. '|' .. a.id)
 end
 -- Refills and synced rules are kept either way, as the memory store keeps them; the
 -- tenant-wide buckets are read for the x-ratelimit-* view, which refills them.
