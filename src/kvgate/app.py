@@ -246,7 +246,7 @@ class KvgateServer:
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight streams finish within the grace period, settle the rest."""
-        grace = self.config.server.shutdown_grace_s
+        grace = self.snapshots.current.config.server.shutdown_grace_s  # a reload may change it
         self._ready = False
         await self._set_serving(False)
         self.services.shutting_down = True

@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from kvgate.config import ConfigError, KvgateConfig, SnapshotHolder, compile_snapshot, load_config
 from kvgate.metrics import Metrics
@@ -22,17 +23,104 @@ from kvgate.tokenize import PromptCounter, TokenizerService, resolve_tokenizer_d
 log = logging.getLogger("kvgate.reload")
 
 
-def _restart_only_changes(old: KvgateConfig, new: KvgateConfig) -> list[str]:
-    changed = []
-    if old.server.grpc_listen != new.server.grpc_listen:
-        changed.append("server.grpc_listen")
-    if old.server.http_listen != new.server.http_listen:
-        changed.append("server.http_listen")
+RELOAD = "reload"
+RESTART = "restart"
+
+# How every configuration field reaches the running process. RELOAD: read from the swapped
+# snapshot on each request, or re-applied by the reloader below (noted). RESTART: read once
+# at start-up, so changing it refuses the reload, naming the field, and the old config keeps
+# serving: a half-applied change (e.g. a renew interval from the new lease TTL while the store
+# keeps the old one) is worse than none. "*" stands for any list item or mapping key.
+# tests/session/test_reload.py walks the config model: a new field must be classified here.
+FIELD_CLASSES: dict[str, str] = {
+    "server.grpc_listen": RESTART,  # bound at start
+    "server.http_listen": RESTART,  # metrics/health port, bound at start
+    "server.admin_listen": RESTART,  # bound at start
+    "server.log_level": RELOAD,  # set on the root logger by the reloader
+    "server.shutdown_grace_s": RELOAD,  # read from the snapshot at shutdown
+    "server.lease_ttl_s": RESTART,  # the store keeps the TTL it was built with
+    "server.tokenizer_threads": RELOAD,  # TokenizerService.resize
+    "server.tokenizer_cache_entries": RELOAD,  # TokenizerService.resize
+    "server.tokenizer_cache_dir": RELOAD,  # every tokenizer is loaded again from it
+    "server.max_buffered_response_bytes": RELOAD,
+    "server.decision_timeout_s": RELOAD,
+    "server.cut_request_charge": RELOAD,
+    "server.grpc_max_message_bytes": RESTART,  # gRPC server options at start
+    "store": RESTART,  # the store is built once
+    "redis.key_prefix": RESTART,
+    "redis.timeout_s": RESTART,
+    "redis.connect_timeout_s": RESTART,
+    "redis.failure_policy": RESTART,
+    "redis.unavailable_retry_after_s": RESTART,
+    "redis.probe_interval_s": RESTART,
+    "redis.max_pending_settlements": RESTART,
+    "redis.settled_id_retention_s": RESTART,
+    "redis.max_connections": RESTART,
+    "redis.cluster": RESTART,
+    "redis.sentinel.master": RESTART,
+    "redis.sentinel.nodes": RESTART,
+    "redis.sentinel.password": RESTART,
+    # Tenants, models and backends are compiled into the snapshot; rate buckets resize to
+    # new specs, backend ledgers take new limits for new work.
+    "tenants.*.name": RELOAD,
+    "tenants.*.api_key_sha256": RELOAD,
+    "tenants.*.budget.daily_usd": RELOAD,
+    "tenants.*.budget.monthly_usd": RELOAD,
+    "tenants.*.budget.action": RELOAD,
+    "tenants.*.budget.fallback_model": RELOAD,
+    "tenants.*.budget.shadow": RELOAD,
+    **{
+        f"tenants.*.{scope}.{limit}.{name}": RELOAD
+        for scope in ("limits", "model_limits.*")
+        for limit, names in (
+            ("rpm", ("limit", "shadow")),
+            ("tpm", ("capacity", "refill_per_s", "shadow")),
+            ("concurrency", ("limit", "shadow")),
+        )
+        for name in names
+    },
+    "models.*.name": RELOAD,
+    "models.*.tokenizer": RELOAD,  # loaded before the swap
+    "models.*.max_context": RELOAD,
+    "models.*.default_max_new_tokens": RELOAD,
+    "models.*.backend": RELOAD,
+    "models.*.pricing.input_per_million": RELOAD,
+    "models.*.pricing.cached_input_per_million": RELOAD,
+    "models.*.pricing.output_per_million": RELOAD,
+    "backends.*.name": RELOAD,
+    "backends.*.kv_budget_tokens": RELOAD,
+    "backends.*.kv_block_size": RELOAD,
+    "backends.*.max_concurrent_requests": RELOAD,
+    "backends.*.api_key": RELOAD,
+    "backends.*.api_key_env": RELOAD,
+    # Discovery monitors are restarted and back-pressure rebuilt by CapacityRegistry.sync.
+    "backends.*.discovery.metrics_url": RELOAD,
+    "backends.*.discovery.model_name": RELOAD,
+    "backends.*.discovery.interval_s": RELOAD,
+    "backends.*.discovery.timeout_s": RELOAD,
+    "backends.*.discovery.max_staleness_s": RELOAD,
+    "backends.*.backpressure.max_kv_cache_usage": RELOAD,
+    "backends.*.backpressure.max_requests_waiting": RELOAD,
+    "backends.*.backpressure.retry_after_s": RELOAD,
+}
+
+
+def _value_at(data: Any, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(data, dict):
+            return None  # an absent optional section (e.g. no redis.sentinel)
+        data = data.get(key)
+    return data
+
+
+def restart_only_changes(old: KvgateConfig, new: KvgateConfig) -> list[str]:
+    """The changed fields that only a restart can apply, by name."""
     before, after = old.model_dump(), new.model_dump()
-    for section in ("store", "redis"):
-        if before.get(section) != after.get(section):
-            changed.append(section)
-    return changed
+    return [
+        path
+        for path, kind in FIELD_CLASSES.items()
+        if kind == RESTART and _value_at(before, path) != _value_at(after, path)
+    ]
 
 
 class ConfigReloader:
@@ -74,10 +162,11 @@ class ConfigReloader:
             try:
                 config = await asyncio.to_thread(load_config, self._path)
                 old = self._snapshots.current.config
-                blocked = _restart_only_changes(old, config)
+                blocked = restart_only_changes(old, config)
                 if blocked:
                     raise ConfigError(
-                        f"{self._path}: {', '.join(blocked)} cannot change without a restart"
+                        f"{self._path}: {', '.join(blocked)} cannot change without a restart "
+                        "(nothing of this file was applied)"
                     )
                 await asyncio.to_thread(self._load_tokenizers, old, config)
                 snapshot = compile_snapshot(config)
@@ -90,6 +179,7 @@ class ConfigReloader:
                 )
                 return False
             self._snapshots.swap(snapshot)
+            self._apply_server_settings(old, config)
             if self._on_applied is not None:
                 try:
                     await self._on_applied(config)
@@ -110,10 +200,26 @@ class ConfigReloader:
             )
             return True
 
+    def _apply_server_settings(self, old: KvgateConfig, new: KvgateConfig) -> None:
+        """Server fields held outside the snapshot, applied right after the swap."""
+        before, after = old.server, new.server
+        if before.log_level != after.log_level:
+            # Only on a change, so a `--log-level` given at start survives other reloads.
+            logging.getLogger().setLevel(after.log_level)
+        if (before.tokenizer_threads, before.tokenizer_cache_entries) != (
+            after.tokenizer_threads,
+            after.tokenizer_cache_entries,
+        ):
+            self._tokenizers.resize(
+                max_workers=after.tokenizer_threads, cache_size=after.tokenizer_cache_entries
+            )
+
     def _load_tokenizers(self, old: KvgateConfig, new: KvgateConfig) -> None:
         """Load tokenizers of new or changed models before anything is swapped."""
         previous = {m.name: m.tokenizer for m in old.models}
         cache_dir = Path(new.server.tokenizer_cache_dir)
+        if cache_dir != Path(old.server.tokenizer_cache_dir):
+            previous = {}  # every model is loaded again, from the new cache directory
         loaded = {}
         for model in new.models:
             if previous.get(model.name) == model.tokenizer:

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import logging
+import types
+import typing
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pytest
 import yaml
+from pydantic import BaseModel
 
 from kvgate.app import KvgateServer
-from kvgate.config import hash_api_key, load_config
+from kvgate.config import (
+    KvgateConfig,
+    SnapshotHolder,
+    compile_snapshot,
+    hash_api_key,
+    load_config,
+    parse_config,
+)
+from kvgate.metrics import Metrics
+from kvgate.reload import FIELD_CLASSES, RELOAD, RESTART, ConfigReloader
+from kvgate.tokenize import PromptCounter, TokenizerService
+from tests.demo_model import demo_model_dir
 from tests.session.conftest import (
     SessionRig,
     body_msg,
@@ -83,3 +103,233 @@ async def test_reload_applies_atomically_and_keeps_streams(tmp_path: Path) -> No
     finally:
         await channel.close()
         await server.stop()
+
+
+# -- every field takes effect on reload, or the reload is refused naming it ---------------------
+
+
+def _holds_model(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in typing.get_args(annotation))
+
+
+def _walk(annotation: Any, path: str, out: set[str]) -> None:
+    """Leaf field paths of a config model; "*" for any list item or mapping key."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for name, info in annotation.model_fields.items():
+            _walk(info.annotation, f"{path}.{name}" if path else name, out)
+        return
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (list, dict) and _holds_model(args[-1]):
+        _walk(args[-1], f"{path}.*", out)
+    elif origin in (typing.Union, types.UnionType) and any(_holds_model(a) for a in args):
+        (model,) = [a for a in args if _holds_model(a)]  # a model mixed with a scalar is new
+        _walk(model, path, out)
+    else:
+        out.add(path)
+
+
+def config_field_paths() -> set[str]:
+    paths: set[str] = set()
+    _walk(KvgateConfig, "", paths)
+    return paths
+
+
+def test_every_config_field_is_classified() -> None:
+    """A field added to the config model fails here until reload.py says how it applies."""
+    paths = config_field_paths()
+    assert {"server.lease_ttl_s", "tenants.*.model_limits.*.tpm.capacity"} <= paths
+    assert sorted(paths - FIELD_CLASSES.keys()) == [], "classify these in FIELD_CLASSES"
+    assert sorted(FIELD_CLASSES.keys() - paths) == [], "these name no config field"
+    assert set(FIELD_CLASSES.values()) == {RELOAD, RESTART}
+    # Restart-only fields are compared by path: none may sit under a list or mapping.
+    assert not [p for p, kind in FIELD_CLASSES.items() if kind == RESTART and "*" in p]
+
+
+def _set(config: dict[str, Any], path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    node = config
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+# One change per restart-only field (plus what validation needs with it).
+RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
+    "server.grpc_listen": {"server.grpc_listen": "127.0.0.1:1"},
+    "server.http_listen": {"server.http_listen": "127.0.0.1:2"},
+    "server.admin_listen": {"server.admin_listen": "127.0.0.1:3"},
+    "server.lease_ttl_s": {"server.lease_ttl_s": 60.0},
+    "server.grpc_max_message_bytes": {"server.grpc_max_message_bytes": 8 * 1024 * 1024},
+    "store": {"store": "redis://127.0.0.1:1/0"},
+    "redis.key_prefix": {"redis.key_prefix": "other"},
+    "redis.timeout_s": {"redis.timeout_s": 1.0},
+    "redis.connect_timeout_s": {"redis.connect_timeout_s": 1.0},
+    "redis.failure_policy": {"redis.failure_policy": "fail_open"},
+    "redis.unavailable_retry_after_s": {"redis.unavailable_retry_after_s": 5.0},
+    "redis.probe_interval_s": {"redis.probe_interval_s": 3.0},
+    "redis.max_pending_settlements": {"redis.max_pending_settlements": 5},
+    "redis.settled_id_retention_s": {"redis.settled_id_retention_s": 60.0},
+    "redis.max_connections": {"redis.max_connections": 8},
+    "redis.cluster": {"redis.cluster": True, "redis.sentinel": None},
+    "redis.sentinel.master": {"redis.sentinel.master": "other"},
+    "redis.sentinel.nodes": {"redis.sentinel.nodes": ["sentinel-b:26379"]},
+    "redis.sentinel.password": {"redis.sentinel.password": "changed"},
+}
+
+
+def base_config() -> dict[str, Any]:
+    config = make_config()
+    # A sentinel section so its fields can change (unused: the store stays "memory").
+    config["redis"] = {
+        "sentinel": {"master": "main", "nodes": ["sentinel-a:26379"], "password": "pw"}
+    }
+    return config
+
+
+@functools.cache
+def demo_counter() -> PromptCounter:
+    return PromptCounter.from_model_dir(demo_model_dir(), name="qwen2.5-demo")
+
+
+class ReloadRig:
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+        self.path = path
+        self.config = config
+        self.write(config)
+        loaded = load_config(path)
+        self.snapshots = SnapshotHolder(compile_snapshot(loaded))
+        self.tokenizers = TokenizerService(
+            max_workers=loaded.server.tokenizer_threads,
+            cache_size=loaded.server.tokenizer_cache_entries,
+        )
+        self.tokenizers.register("qwen2.5-demo", demo_counter())
+        self.reloader = ConfigReloader(
+            path, snapshots=self.snapshots, tokenizers=self.tokenizers, metrics=Metrics()
+        )
+
+    def write(self, config: dict[str, Any]) -> None:
+        self.path.write_text(yaml.safe_dump(config))
+
+    async def reload_with(self, changes: dict[str, Any]) -> bool:
+        config = copy.deepcopy(self.config)
+        for path, value in changes.items():
+            _set(config, path, value)
+        self.write(config)
+        applied = await self.reloader.reload("test")
+        if applied:
+            self.config = config
+        return applied
+
+
+@pytest.fixture
+async def reload_rig(tmp_path: Path) -> AsyncIterator[ReloadRig]:
+    rig = ReloadRig(tmp_path / "kvgate.yaml", base_config())
+    yield rig
+    rig.tokenizers.close()
+
+
+def test_every_restart_only_field_has_an_example() -> None:
+    assert RESTART_EXAMPLES.keys() == {p for p, k in FIELD_CLASSES.items() if k == RESTART}
+
+
+@pytest.mark.parametrize("field", sorted(RESTART_EXAMPLES))
+async def test_restart_only_field_refuses_the_reload(reload_rig: ReloadRig, field: str) -> None:
+    before = reload_rig.snapshots.current
+    changes = {**RESTART_EXAMPLES[field], "server.max_buffered_response_bytes": 4096}
+    assert not await reload_rig.reload_with(changes)
+    error = reload_rig.reloader.last_error or ""
+    assert field in error and "restart" in error
+    # Nothing of the file applied, not even the fields that could have been.
+    assert reload_rig.snapshots.current is before
+    assert reload_rig.reloader.generation == 1
+
+
+async def test_refusal_names_every_changed_restart_field(reload_rig: ReloadRig) -> None:
+    changes = {"server.lease_ttl_s": 30.0, "server.admin_listen": "127.0.0.1:9", "store": "memory"}
+    assert not await reload_rig.reload_with(changes)
+    error = reload_rig.reloader.last_error or ""
+    assert "server.lease_ttl_s" in error and "server.admin_listen" in error
+    assert "store" not in error.replace(str(reload_rig.path), "")  # unchanged: not named
+
+
+# Reloadable fields held outside the snapshot: each is applied by the reloader.
+LIVE_CHANGES: list[tuple[str, Any, Callable[[ReloadRig], bool]]] = [
+    ("server.tokenizer_threads", 3, lambda rig: rig.tokenizers.max_workers == 3),
+    (
+        "server.tokenizer_cache_entries",
+        16,
+        lambda rig: rig.tokenizers.cache_stats().capacity == 16,
+    ),
+    ("server.log_level", "DEBUG", lambda rig: logging.getLogger().level == logging.DEBUG),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "applied"), LIVE_CHANGES, ids=[c[0] for c in LIVE_CHANGES]
+)
+async def test_server_field_applies_on_reload(
+    reload_rig: ReloadRig, field: str, value: Any, applied: Callable[[ReloadRig], bool]
+) -> None:
+    root = logging.getLogger()
+    level = root.level
+    try:
+        assert not applied(reload_rig)
+        assert await reload_rig.reload_with({field: value})
+        assert applied(reload_rig)
+    finally:
+        root.setLevel(level)
+
+
+async def test_new_tokenizer_cache_dir_reloads_every_tokenizer(
+    reload_rig: ReloadRig, tmp_path: Path
+) -> None:
+    before = reload_rig.tokenizers.counter("qwen2.5-demo")
+    assert await reload_rig.reload_with({"server.tokenizer_cache_dir": str(tmp_path / "tok")})
+    after = reload_rig.tokenizers.counter("qwen2.5-demo")
+    assert after is not before
+    assert after.count_text("hello world") == before.count_text("hello world")
+
+
+async def test_snapshot_fields_apply_on_reload(reload_rig: ReloadRig) -> None:
+    """Fields read from the snapshot per request are accepted and visible at once."""
+    changes = {
+        "server.max_buffered_response_bytes": 4096,
+        "server.decision_timeout_s": 0.5,
+        "server.cut_request_charge": "visible_text",
+        "tenants": [
+            {
+                "name": "acme",
+                "api_key_sha256": hash_api_key("sk-other"),
+                "limits": {"rpm": 10, "tpm": {"capacity": 1000, "refill_per_s": 5}},
+            }
+        ],
+    }
+    assert await reload_rig.reload_with(changes)
+    current = reload_rig.snapshots.current
+    assert current.config.server.max_buffered_response_bytes == 4096
+    assert current.config.server.decision_timeout_s == 0.5
+    assert current.tenants_by_key_hash == {hash_api_key("sk-other"): "acme"}
+    assert reload_rig.reloader.generation == 2
+
+
+async def test_shutdown_grace_is_read_from_the_reloaded_config(tmp_path: Path) -> None:
+    config = make_config()
+    server = KvgateServer(parse_dict(config))
+    config["server"]["shutdown_grace_s"] = 3.0
+    server.snapshots.swap(compile_snapshot(parse_dict(config)))  # what a reload does
+    graces: list[float | None] = []
+
+    class FakeGrpc:
+        async def stop(self, grace: float | None) -> None:
+            graces.append(grace)
+
+    server._grpc = FakeGrpc()  # type: ignore[assignment]
+    await server.stop()
+    assert graces == [3.0]
+
+
+def parse_dict(config: dict[str, Any]) -> KvgateConfig:
+    return parse_config(copy.deepcopy(config))
