@@ -7,7 +7,6 @@ from decimal import Decimal
 import pytest
 
 from kvgate.extproc.ratelimit_headers import format_reset, rate_limit_headers
-from kvgate.extproc.services import charged_usage
 from kvgate.policy import (
     ActualUsage,
     AdmissionRequest,
@@ -22,7 +21,6 @@ from kvgate.policy import (
     RateRule,
     Reason,
     ScopeLimits,
-    SettleCause,
     TenantPolicy,
     TenantState,
     TokenBucket,
@@ -349,21 +347,6 @@ def test_rate_limit_headers_from_a_decision() -> None:
         "x-ratelimit-remaining-tokens": "700",
         "x-ratelimit-reset-tokens": "18s",
     }
-
-
-@pytest.mark.parametrize(
-    ("cause", "streamed", "charged"),
-    [
-        (SettleCause.COMPLETED, True, (50, 7)),
-        (SettleCause.UPSTREAM_ERROR, False, (0, 0)),
-        (SettleCause.DISCONNECTED, True, (50, 7)),
-        (SettleCause.DISCONNECTED, False, (0, 0)),  # timed out before any answer: free retry
-        (SettleCause.SHUTDOWN, True, (50, 7)),
-    ],
-)
-def test_what_is_charged_when(cause: SettleCause, streamed: bool, charged: tuple[int, int]) -> None:
-    usage = charged_usage(cause, ActualUsage(50, 7), streamed=streamed)
-    assert (usage.prompt_tokens, usage.output_tokens) == charged
 
 
 # ---------------------------------------------------------------- early rejection

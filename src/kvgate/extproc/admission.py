@@ -24,7 +24,7 @@ from kvgate.policy import (
     plan_new_tokens,
 )
 from kvgate.store import StoreUnavailable
-from kvgate.tokenize import PromptRenderError
+from kvgate.tokenize import PromptRenderError, TokenizerBusy
 
 # Rejections a lower bound on the prompt answers exactly: they do not depend on its size
 # (or, for a request larger than the whole bucket, no wait can help).
@@ -84,7 +84,7 @@ class AdmissionPlanner:
                 api_errors.model_not_found(request.model), Reason.MODEL_NOT_FOUND
             )
         await self._reject_early(request, tenant, route, request_id)
-        sized = await self._size(request, route, request.max_new_tokens)
+        sized = await self._size(request, tenant, route, request.max_new_tokens)
         decision = await self._reserve(request, tenant, sized, request_id)
         if decision.admitted:
             return self._admitted(decision, sized)
@@ -155,9 +155,13 @@ class AdmissionPlanner:
         return prompt_lower_bound(request, per_token)
 
     async def _size(
-        self, request: ParsedRequest, route: ModelRoute, requested_max_new: int | None
+        self,
+        request: ParsedRequest,
+        tenant: TenantPolicy,
+        route: ModelRoute,
+        requested_max_new: int | None,
     ) -> _Sized:
-        counts = await self._count(request, route.name)
+        counts = await self._count(request, route.name, tenant.name)
         # The engine checks each prompt of a completions batch against the context on its
         # own; the reservation holds them all.
         longest, total = max(counts), sum(counts)
@@ -187,8 +191,9 @@ class AdmissionPlanner:
             )
         return _Sized(route, total, plan.max_new_tokens)
 
-    async def _count(self, request: ParsedRequest, model: str) -> list[int]:
-        """Prompt tokens, one count per prompt the engine runs (several for a batch)."""
+    async def _count(self, request: ParsedRequest, model: str, tenant: str) -> list[int]:
+        """Prompt tokens, one count per prompt the engine runs (several for a batch),
+        counted under the tenant's fair share of the counting workers."""
         tokenizers = self._svc.tokenizers
         try:
             if request.kind == "chat":
@@ -200,10 +205,24 @@ class AdmissionPlanner:
                         add_generation_prompt=request.add_generation_prompt,
                         continue_final_message=request.continue_final_message,
                         chat_template_kwargs=request.chat_template_kwargs,
+                        tenant=tenant,
                     )
                 ]
             prompts = request.prompts()
-            return [await tokenizers.count_completion(model, prompt) for prompt in prompts]
+            return [
+                await tokenizers.count_completion(model, prompt, tenant=tenant)
+                for prompt in prompts
+            ]
+        except TokenizerBusy as busy:
+            raise AdmissionRejected(
+                api_errors.rate_limited(
+                    "Too many of your requests are waiting to be counted; "
+                    "retry when some have been answered.",
+                    Reason.COUNTING_BUSY.value,
+                    busy.retry_after_s,
+                ),
+                Reason.COUNTING_BUSY,
+            ) from None
         except PromptRenderError as exc:
             raise AdmissionRejected(
                 api_errors.invalid_request(
@@ -323,7 +342,7 @@ class AdmissionPlanner:
             return None
         # The fallback model has its own tokenizer, context and prices: count again.
         await self._reject_early(request, tenant, route, request_id)
-        sized = await self._size(request, route, request.max_new_tokens)
+        sized = await self._size(request, tenant, route, request.max_new_tokens)
         decision = await self._reserve(request, tenant, sized, request_id)
         if not decision.admitted:
             return None

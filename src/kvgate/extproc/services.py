@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
@@ -28,8 +28,12 @@ from kvgate.tokenize import PromptCounter
 
 log = logging.getLogger("kvgate.settle")
 
+T = TypeVar("T")
+
 
 class PromptTokenizers(Protocol):
+    """Counting off the event loop, scheduled fairly between tenants."""
+
     async def count_chat(
         self,
         model: str,
@@ -39,11 +43,14 @@ class PromptTokenizers(Protocol):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tenant: str = "",
     ) -> int: ...
 
-    async def count_completion(self, model: str, prompt: Any) -> int: ...
+    async def count_completion(self, model: str, prompt: Any, *, tenant: str = "") -> int: ...
 
-    async def count_text(self, model: str, text: str) -> int: ...
+    async def count_text(self, model: str, text: str, *, tenant: str = "") -> int: ...
+
+    async def run(self, tenant: str, work: Callable[[], T], *, cost: int = 1) -> T: ...
 
     def counter(self, model: str) -> PromptCounter: ...
 
@@ -152,9 +159,10 @@ class GatewayServices:
         """A split-mode hand-off no observability stream claimed: the response was never
         observed, so nothing is charged (as for a request cut before its answer)."""
         self.metrics.stream_disconnects.labels("unclaimed_handoff").inc()
-        charged, metered = charged_usage(
-            SettleCause.DISCONNECTED, ResponseReading(), state.reservation
-        )
+        # Nothing of the answer was seen; Envoy opens the observing stream with the request,
+        # so an unclaimed hand-off means the request never got that far.
+        reading = ResponseReading(streamed=state.request.stream)
+        charged, metered = charged_usage(SettleCause.DISCONNECTED, reading, state.reservation)
         self.settle(
             state.reservation,
             SettleCause.DISCONNECTED,

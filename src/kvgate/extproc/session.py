@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import time
@@ -61,6 +62,7 @@ from kvgate.policy import (
     pico_to_usd,
 )
 from kvgate.store import StoreUnavailable
+from kvgate.tokenize import TokenizerBusy
 
 log = logging.getLogger("kvgate.session")
 
@@ -70,6 +72,8 @@ ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Requests that only need a valid key: they cost the GPU nothing.
 PASSTHROUGH_PATHS = frozenset({"/v1/models"})
 HEADER_PREFIX = "x-kvgate-"
+# Bodies larger than this are parsed on a worker thread, not on the event loop.
+_PARSE_OFF_LOOP_BYTES = 64 * 1024
 
 
 class Phase(enum.Enum):
@@ -347,9 +351,29 @@ class StreamSession:
         return reply
 
     async def _admit(self, body: bytes) -> pb.ProcessingResponse:
-        request = parse_request(self._path, body)
-        self._request = request
         assert self._tenant_policy is not None
+        if len(body) > _PARSE_OFF_LOOP_BYTES:
+            # Megabytes of JSON take tens of milliseconds to parse: off the event loop, in
+            # the tenant's fair share of the workers, so other tenants' decisions go on.
+            try:
+                request = await self._svc.tokenizers.run(
+                    self._tenant_policy.name,
+                    functools.partial(parse_request, self._path, body),
+                    cost=len(body),
+                )
+            except TokenizerBusy as busy:
+                raise AdmissionRejected(
+                    api_errors.rate_limited(
+                        "Too many of your requests are waiting to be read; "
+                        "retry when some have been answered.",
+                        Reason.COUNTING_BUSY.value,
+                        busy.retry_after_s,
+                    ),
+                    Reason.COUNTING_BUSY,
+                ) from None
+        else:
+            request = parse_request(self._path, body)
+        self._request = request
         admitted = await AdmissionPlanner(self._svc, self._snapshot).admit(
             request, self._tenant_policy, self.request_id
         )
@@ -500,7 +524,7 @@ class StreamSession:
             counted = await self._count_output(sse.output_text())
         return ResponseReading(
             accepted=self._ok(),
-            streamed=sse is not None,
+            streamed=self._request.stream if self._request is not None else sse is not None,
             usage=usage,
             counted_output_tokens=counted,
             content_events=getattr(sse, "content_events", 0),  # TEMP-INTEGRATION
@@ -514,7 +538,9 @@ class StreamSession:
         # The model that served the request (after a budget fallback, not the one asked).
         model = self.reservation.request.model
         try:
-            return await self._svc.tokenizers.count_text(model, text)
+            return await self._svc.tokenizers.count_text(
+                model, text, tenant=self.reservation.request.tenant
+            )
         except Exception:
             # E.g. the model was removed by a reload since admission: the billing rule
             # still charges at least one token per content event.

@@ -9,12 +9,13 @@ One rule, in one place. Its inputs are what kvgate saw of the answer (a
   read, the reservation's worst case (prompt + every token it was allowed to generate): an
   answer kvgate cannot meter is never free.
 - upstream error (non-2xx): nothing; the engine produced no answer.
-- cut before its end (client gone, Envoy timeout, shutdown), ``backend_work`` (default): once
-  the backend accepted the request (2xx headers) the prefill was done, so the prompt is
-  charged, plus the output seen: the backend's usage if it arrived, else the counted output
-  text, but at least one token per content event (special tokens make no visible text). A
-  non-streamed answer is generated whole before its headers are sent, so a cut one without
-  readable usage costs the worst case. Before the backend accepted: nothing.
+- cut before its end (client gone, Envoy timeout, shutdown), ``backend_work`` (default): the
+  backend's usage if it arrived. A stream the backend accepted (2xx headers, sent before the
+  prefill) pays the prompt plus the counted output text, at least one token per content
+  event (special tokens make no visible text); a stream cut before its headers pays
+  nothing. A non-streamed request cut while the engine worked on it pays its prompt (the
+  prefill was done); one cut after its headers (sent only once the answer is generated
+  whole) without readable usage pays the worst case.
 - cut, ``visible_text`` (the older rule, an option): nothing unless answer text reached the
   client, then the prompt and the counted output.
 """
@@ -38,7 +39,7 @@ class ResponseReading:
 
     # The backend answered with 2xx headers.
     accepted: bool = False
-    # The answer is a stream of SSE events (else one JSON body, or nothing yet).
+    # The client asked for a stream of SSE events (else one JSON body).
     streamed: bool = False
     # The backend's own usage, when kvgate could read it.
     usage: ActualUsage | None = None
@@ -90,11 +91,16 @@ def charged_usage(
         if reading.usage is not None:
             return reading.usage, True
         return ActualUsage(prompt_tokens=prompt, output_tokens=reading.counted_output_tokens), True
-    if not reading.accepted:
-        return ZERO, True
     if reading.usage is not None:
         return reading.usage, True
     if not reading.streamed:
-        return worst_case(reservation), False
+        if reading.accepted:
+            # vLLM sends a non-streamed answer's headers only once it is generated whole.
+            return worst_case(reservation), False
+        # Cut while the engine was working on it: the prefill at least was done.
+        return ActualUsage(prompt_tokens=prompt, output_tokens=0), True
+    if not reading.accepted:
+        # A stream's headers come before its prefill: no headers, no work to bill.
+        return ZERO, True
     output = max(reading.counted_output_tokens, reading.content_events)
     return ActualUsage(prompt_tokens=prompt, output_tokens=output), True
