@@ -89,6 +89,8 @@ class ChoiceOutput:
     finish_reason: str
     token_ids: list[int]
     prompt_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 def usage(prompt: int, completion: int, *, details: bool) -> dict[str, Any]:
@@ -189,19 +191,20 @@ class ChatFormatter:
         self,
         index: int,
         text: str,
-        token_id: int,
+        token_ids: list[int],
         finish_reason: str | None,
         usage_now: dict[str, Any] | None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": index,
             "delta": {"content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         if finish_reason is not None:
             choice["stop_reason"] = None
-        choice["token_ids"] = [token_id] if self.return_token_ids else None
+        choice["token_ids"] = token_ids if self.return_token_ids else None
         chunk = self._chunk([choice])
         if usage_now is not None:
             chunk["usage"] = usage_now
@@ -226,7 +229,7 @@ class ChatFormatter:
                     "tool_calls": [],
                     "reasoning_content": None,
                 },
-                "logprobs": None,
+                "logprobs": out.logprobs,
                 "finish_reason": out.finish_reason,
                 "stop_reason": None,
                 "token_ids": out.token_ids if self.return_token_ids else None,
@@ -276,11 +279,12 @@ class CompletionFormatter:
         finish_reason: str | None,
         usage_now: dict[str, Any] | None,
         prompt_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choice = {
             "index": index,
             "text": text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": None,
             "prompt_token_ids": prompt_ids if self.return_token_ids else None,
@@ -310,10 +314,10 @@ class CompletionFormatter:
             {
                 "index": out.index,
                 "text": out.text,
-                "logprobs": None,
+                "logprobs": out.logprobs,
                 "finish_reason": out.finish_reason,
                 "stop_reason": None,
-                "prompt_logprobs": None,
+                "prompt_logprobs": out.prompt_logprobs,
                 "prompt_token_ids": out.prompt_ids if self.return_token_ids else None,
                 "token_ids": out.token_ids if self.return_token_ids else None,
             }

@@ -8,6 +8,7 @@ Test steering headers (all optional):
 ``x-sim-error: STATUS``       answer STATUS with vLLM's error JSON at once
 ``x-sim-stall-after: K``      send K tokens, then hang until the client goes away
 ``x-sim-abort-after: K``      send K tokens, then cut the connection (no [DONE])
+``x-sim-chunk-tokens: K``     stream K tokens per SSE event (vLLM merging deltas)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from aiohttp import web
 from vllm_sim import protocol
 from vllm_sim.config import SimConfig
 from vllm_sim.engine import KVEngine, SimRequest
+from vllm_sim.logprobs import LogprobSource, Position
 from vllm_sim.metrics import SimMetrics
 from vllm_sim.record import RequestLog, RequestRecord
 from vllm_sim.tokenization import PromptError, SimTokenizer
@@ -135,6 +137,7 @@ class Steering:
     error_status: int | None = None
     stall_after: int | None = None
     abort_after: int | None = None
+    chunk_tokens: int = 1
 
     @classmethod
     def from_headers(cls, headers: Any, config: SimConfig) -> Steering:
@@ -168,6 +171,7 @@ class Steering:
             error_status=error_status,
             stall_after=count("x-sim-stall-after"),
             abort_after=count("x-sim-abort-after"),
+            chunk_tokens=max(1, count("x-sim-chunk-tokens") or 1),
         )
 
 
@@ -221,6 +225,7 @@ class VllmSim:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-sim-tok")
         self._watcher = DisconnectWatcher()
         self.requests = RequestLog(capacity=config.request_history)
+        self._logprob_source: LogprobSource | None = None
         self._auth_values = frozenset(f"Bearer {key}" for key in config.api_keys)
         if self.max_model_len < config.max_model_len:
             log.warning(
@@ -229,6 +234,13 @@ class VllmSim:
                 config.max_model_len,
                 self.max_model_len,
             )
+
+    @property
+    def logprob_source(self) -> LogprobSource:
+        # Built on the first request that asks for logprobs (never on the common path).
+        if self._logprob_source is None:
+            self._logprob_source = LogprobSource(self.tokenizer)
+        return self._logprob_source
 
     # --- plumbing ------------------------------------------------------------------
 
@@ -567,7 +579,7 @@ class VllmSim:
         try:
             if common.stream:
                 return await self._stream(request, common, steering, prompts, choices, feed, fmt)
-            return await self._unary(request, steering, prompts, choices, feed, fmt)
+            return await self._unary(request, common, steering, prompts, choices, feed, fmt)
         except ConnectionError:
             # The client went away mid-write. Answering with a throwaway response lets
             # aiohttp finish quietly instead of logging a handler error.
@@ -630,17 +642,10 @@ class VllmSim:
         if request.transport is not None:
             request.transport.close()
 
-    async def _steer(
-        self, request: web.Request, steering: Steering, choices: list[_Choice]
-    ) -> bool:
-        """Apply stall/abort-after before the next token; True if the connection was cut."""
-        sent = sum(c.req.sent for c in choices)
-        if steering.stall_after is not None and sent >= steering.stall_after:
-            await self._stall_forever()
-        if steering.abort_after is not None and sent >= steering.abort_after:
-            self._cut_connection(request, choices)
-            return True
-        return False
+    def _prompt_positions(self, prompt_ids: list[int], k: int) -> list[Position | None]:
+        """Prompt logprobs for an echo: none for the first token, as in vLLM; the
+        same for every choice."""
+        return [None, *self.logprob_source.positions(prompt_ids[1:], k, choice=-1, start=1)]
 
     async def _stream(
         self,
@@ -661,6 +666,8 @@ class VllmSim:
         # starts with the first generated token.
         await resp.prepare(request)
         chat = isinstance(fmt, protocol.ChatFormatter)
+        k = common.logprobs
+        lps = self.logprob_source if k is not None else None
 
         def usage_now(choice: _Choice, done: int) -> dict[str, Any] | None:
             if not continuous:
@@ -669,16 +676,24 @@ class VllmSim:
             return protocol.usage(len(choice.prompt_ids), done, details=not chat)
 
         role_sent = False
-        remaining = len(choices)
-        while remaining:
-            if await self._steer(request, steering, choices):
-                return resp
-            choice, i = await feed.next()
-            if i is None:
-                remaining -= 1
-                continue
-            token_id, text = self._token(choice, i)
-            done = i + 1
+        # Tokens taken from the engine but not yet written, per choice: one SSE event
+        # carries x-sim-chunk-tokens of them (vLLM merges the deltas a slow reader
+        # has not taken yet).
+        pending: dict[_Choice, list[int]] = {}
+
+        async def flush(choice: _Choice) -> None:
+            nonlocal role_sent
+            indices = pending.pop(choice, None)
+            if not indices:
+                return
+            ids: list[int] = []
+            texts: list[str] = []
+            for i in indices:
+                token_id, text = self._token(choice, i)
+                ids.append(token_id)
+                texts.append(text)
+            out_text = "".join(texts)
+            done = indices[-1] + 1
             finish = choice.req.finish_reason if done == choice.req.target_tokens else None
             if isinstance(fmt, protocol.ChatFormatter):
                 if not role_sent:
@@ -687,23 +702,63 @@ class VllmSim:
                         chunk = fmt.role_chunk(c.index, c.prompt_ids, usage_now(c, 0))
                         await resp.write(protocol.sse(chunk))
                     role_sent = True
+                logprobs = None
+                if lps is not None and k is not None:
+                    logprobs = lps.chat(lps.positions(ids, k, choice.index, indices[0]), k)
                 chunk = fmt.token_chunk(
-                    choice.index, text, token_id, finish, usage_now(choice, done)
+                    choice.index, out_text, ids, finish, usage_now(choice, done), logprobs
                 )
             else:
-                first = i == 0
-                if first and choice.echo is not None:
-                    text = choice.echo + text
+                first = indices[0] == 0
+                echo = first and choice.echo is not None
+                logprobs = None
+                if lps is not None and k is not None:
+                    positions: list[Position | None] = [
+                        *lps.positions(ids, k, choice.index, indices[0])
+                    ]
+                    lp_ids = ids
+                    if echo:
+                        positions = [*self._prompt_positions(choice.prompt_ids, k), *positions]
+                        lp_ids = choice.prompt_ids + ids
+                    logprobs = lps.completion(lp_ids, positions, k, choice.text_len)
                 chunk = fmt.token_chunk(
                     choice.index,
-                    text,
-                    [token_id],
+                    (choice.echo or "") + out_text if echo else out_text,
+                    ids,
                     finish,
                     usage_now(choice, done),
                     choice.prompt_ids if first else None,
+                    logprobs,
                 )
+            # vLLM's text offsets count the generated text only, never the echo.
+            choice.text_len += len(out_text)
             await resp.write(protocol.sse(chunk))
             choice.req.sent = done
+
+        produced = 0
+        remaining = len(choices)
+        while remaining:
+            # Stall/abort-after count tokens taken from the engine; whatever is
+            # pending goes out first.
+            stall = steering.stall_after is not None and produced >= steering.stall_after
+            cut = steering.abort_after is not None and produced >= steering.abort_after
+            if stall or cut:
+                for c in list(pending):
+                    await flush(c)
+                if stall:
+                    await self._stall_forever()
+                self._cut_connection(request, choices)
+                return resp
+            choice, i = await feed.next()
+            if i is None:
+                remaining -= 1
+                await flush(choice)
+                continue
+            batch = pending.setdefault(choice, [])
+            batch.append(i)
+            produced += 1
+            if len(batch) >= steering.chunk_tokens or i + 1 == choice.req.target_tokens:
+                await flush(choice)
         if include_usage:
             prompt_tokens = len(prompts[0]) if chat else sum(len(p) for p in prompts)
             completion = sum(c.req.generated for c in choices)
@@ -715,6 +770,7 @@ class VllmSim:
     async def _unary(
         self,
         request: web.Request,
+        common: CommonParams,
         steering: Steering,
         prompts: list[list[int]],
         choices: list[_Choice],
@@ -739,6 +795,7 @@ class VllmSim:
             choice.output_ids.append(token_id)
             choice.texts.append(text)
             produced += 1
+        chat = isinstance(fmt, protocol.ChatFormatter)
         outputs = [
             protocol.ChoiceOutput(
                 index=c.index,
@@ -749,6 +806,21 @@ class VllmSim:
             )
             for c in choices
         ]
+        k = common.logprobs
+        if k is not None:
+            lps = self.logprob_source
+            for c, out in zip(choices, outputs, strict=True):
+                positions = lps.positions(c.output_ids, k, c.index)
+                if chat:
+                    out.logprobs = lps.chat(positions, k)
+                elif c.echo is not None:
+                    prompt_positions = self._prompt_positions(c.prompt_ids, k)
+                    out.logprobs = lps.completion(
+                        c.prompt_ids + c.output_ids, [*prompt_positions, *positions], k
+                    )
+                    out.prompt_logprobs = lps.prompt_logprobs(prompt_positions)
+                else:
+                    out.logprobs = lps.completion(c.output_ids, positions, k)
         if isinstance(fmt, protocol.ChatFormatter):
             body = fmt.response(prompts[0], outputs)
         else:
@@ -769,6 +841,8 @@ class _Choice:
     echo: str | None
     output_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    # Generated text streamed so far (vLLM's previous_text_lens: logprob offsets).
+    text_len: int = 0
     # Credits to generate the next token (see _Feed).
     demand: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
 

@@ -258,6 +258,18 @@ class SimTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def decode_token(self, token_id: int) -> str:
+        """One token as vLLM's logprobs show it: ``decode([id])``, special tokens kept."""
+        return self._tok.decode([token_id])
+
+    @property
+    def special_ids(self) -> list[int]:
+        return list(self._tok.all_special_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
     def count_text(self, text: str) -> int:
         """Tokens in plain text, as a gateway counting streamed output would."""
         return len(self._tok.encode(text, add_special_tokens=False))
