@@ -199,24 +199,37 @@ _ST_KEY, _ST_COLON, _ST_VALUE, _ST_AFTER = range(4)
 _S_KEY, _S_TEXT, _S_IGNORE = range(3)
 
 _JSON_WS_BYTES: Final = b" \t\r\n"
+# Raw bytes of a text string decoded at a time (memory held for a huge string).
+_TEXT_WINDOW: Final = 16 * 1024
 
 
-def decode_json_string(raw: bytes | bytearray, cut: bool = False) -> str:
-    """Decode the body of a JSON string (no quotes). ``cut``: raw was truncated,
-    possibly inside an escape or a UTF-8 sequence; drop the broken tail."""
-    if 0x5C not in raw:  # no escapes: plain UTF-8
-        return raw.decode("utf-8", "ignore" if cut else "replace")
-    text = raw.decode("utf-8", "ignore" if cut else "replace")
-    # A cut may end inside an escape (at most "\uXXXX\uXXX" of a surrogate pair).
-    for trim in range(12 if cut else 1):
+def _decode_string(raw: bytes | bytearray) -> str:
+    """Decode a whole JSON string body (no quotes); lenient on broken input."""
+    text = raw.decode("utf-8", "replace")
+    if 0x5C not in raw:
+        return text
+    try:
+        value: str = scanstring(text + '"', 0, False)[0]
+    except ValueError:
+        return text
+    return value
+
+
+def _decode_prefix(raw: bytes | bytearray) -> tuple[str, int]:
+    """Decode the longest prefix of a string body that ends on a whole character
+    (not inside a UTF-8 sequence, an escape or a surrogate pair): (text, bytes used)."""
+    size = len(raw)
+    for used in range(size, max(size - 13, 0), -1):
         try:
-            value: str = scanstring(text[: len(text) - trim] + '"', 0, False)[0]
-        except ValueError:
+            text = raw[:used].decode("utf-8")
+            if 0x5C in raw:
+                text = scanstring(text + '"', 0, False)[0]
+        except ValueError:  # UnicodeDecodeError too
             continue
-        if cut and value and "\ud800" <= value[-1] <= "\udbff":
-            value = value[:-1]  # half a surrogate pair
-        return value
-    return ""
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            continue  # the low half of the pair is still to come
+        return text, used
+    return _decode_string(raw), size  # broken input: keep going, lossy
 
 
 class _JsonScan:
@@ -237,6 +250,7 @@ class _JsonScan:
         "_choice_content",
         "_delta_rc",
         "_delta_rc_cut",
+        "_delta_rc_len",
         "_delta_reasoning",
         "_delta_role",
         "_delta_text",
@@ -250,6 +264,7 @@ class _JsonScan:
         "_mode",
         "_room",
         "_st",
+        "_str_any",
         "_str_buf",
         "_str_cut",
         "_str_key",
@@ -290,8 +305,10 @@ class _JsonScan:
         self._delta_role = False
         self._delta_text = False
         self._delta_reasoning = False
-        self._delta_rc: str | None = None
+        self._delta_rc: list[str] | None = None  # held reasoning_content
         self._delta_rc_cut = False
+        self._delta_rc_len = 0
+        self._str_any = False  # the text string being read is not empty
         #: Last well-formed non-null top-level usage.
         self.usage: Usage | None = None
         #: Top-level ``error`` object, if any.
@@ -393,13 +410,17 @@ class _JsonScan:
             self._delta_role = self._delta_text = self._delta_reasoning = False
             self._delta_rc = None
             self._delta_rc_cut = False
+            self._delta_rc_len = 0
 
     def _pop(self) -> None:
         frame = self._frames.pop()
         if frame == _DELTA:
-            # vLLM's role announcement ({"role":..,"content":""}) is no decode step.
             if self._delta_rc is not None and not self._delta_reasoning:
-                self._text(self._delta_rc, self._delta_rc_cut)
+                for text in self._delta_rc:
+                    self._text(text, False)
+                if self._delta_rc_cut:
+                    self._text("", True)
+            # vLLM's role announcement ({"role":..,"content":""}) is no decode step.
             if not self._delta_role or self._delta_text:
                 self._choice_content = True
         elif frame == _CHOICE and self._choice_content:
@@ -408,9 +429,12 @@ class _JsonScan:
     # ------------------------------------------------------------------ strings
 
     def _string_start(self, data: bytes | bytearray, pos: int, end: int) -> int:
-        frames = self._frames
-        frame = frames[-1]
+        frame = self._frames[-1]
         if self._st == _ST_KEY:
+            q = _STR_BODY.match(data, pos, end).end()
+            if q < end and data[q] == _QUOTE:  # the whole key is in this piece
+                self._on_key(data[pos:q] if q - pos <= _MAX_KEY else b"")
+                return q + 1
             kind = _S_KEY
             key = None
         else:
@@ -419,23 +443,12 @@ class _JsonScan:
             self._st = _ST_AFTER
             if kind == _S_TEXT and frame == _CHOICE:
                 self._choice_content = True  # completions: any "text" is a decode step
-        q = _STR_BODY.match(data, pos, end).end()
-        if q < end and data[q] == _QUOTE:  # the whole string is in this piece
-            if kind == _S_KEY:
-                self._on_key(data[pos:q] if q - pos <= _MAX_KEY else b"")
-            elif kind == _S_TEXT:
-                room = self._text_room()
-                cut = q - pos > room
-                self._on_text(key, data[pos : pos + room] if cut else data[pos:q], cut)
-            return q + 1
         self._mode = _M_STRING
         self._str_kind = kind
         self._str_key = key
-        self._str_cut = False
+        self._str_any = self._str_cut = self._esc = False
         self._str_buf = bytearray()
-        self._esc = q < end  # stopped before a final backslash
-        self._keep_string(data, pos, end)
-        return end
+        return pos
 
     def _string(self, data: bytes | bytearray, pos: int, end: int) -> int:
         start = pos
@@ -447,17 +460,17 @@ class _JsonScan:
                 return end
         q = _STR_BODY.match(data, pos, end).end()
         if q >= end or data[q] != _QUOTE:
-            self._esc = q < end
+            self._esc = q < end  # stopped before a final backslash
             self._keep_string(data, start, end)
             return end
         self._keep_string(data, start, q)
         self._mode = _M_STRUCT
-        raw = self._str_buf
-        self._str_buf = bytearray()
         if self._str_kind == _S_KEY:
-            self._on_key(bytes(raw) if len(raw) <= _MAX_KEY else b"")
+            raw = self._str_buf
+            self._on_key(raw if len(raw) <= _MAX_KEY else b"")
         elif self._str_kind == _S_TEXT:
-            self._on_text(self._str_key, raw, self._str_cut)
+            self._text_end()
+        self._str_buf = bytearray()
         return q + 1
 
     def _keep_string(self, data: bytes | bytearray, pos: int, end: int) -> None:
@@ -465,15 +478,69 @@ class _JsonScan:
         if kind == _S_IGNORE or pos >= end:
             return
         buf = self._str_buf
-        limit = _MAX_KEY + 1 if kind == _S_KEY else self._text_room()
-        room = limit - len(buf)
-        if room <= 0:
-            self._str_cut = True
+        if kind == _S_KEY:
+            if len(buf) <= _MAX_KEY:
+                buf += data[pos : min(end, pos + _MAX_KEY + 1 - len(buf))]
             return
-        if end - pos > room:
-            end = pos + room
-            self._str_cut = True
-        buf += memoryview(data)[pos:end] if type(data) is bytes else data[pos:end]
+        self._str_any = True
+        # Text: decoded in windows as it arrives, so only a window is ever held.
+        while pos < end:
+            if self._piece_room() <= 0:
+                self._str_cut = True  # the text budget is spent: skip the rest
+                buf.clear()
+                return
+            take = min(end, pos + _TEXT_WINDOW - len(buf))
+            buf += data[pos:take]
+            pos = take
+            if len(buf) >= _TEXT_WINDOW:
+                self._text_flush(final=False)
+
+    def _text_flush(self, final: bool) -> None:
+        raw = self._str_buf
+        if not raw:
+            return
+        if final:
+            text = _decode_string(raw)
+            raw.clear()
+        else:
+            text, used = _decode_prefix(raw)
+            del raw[:used]
+        if not text:
+            return
+        if self._str_key == b"reasoning_content":
+            # Counted only if the delta has no "reasoning" (vLLM may send both).
+            room = self._piece_room()
+            if len(text) > room:
+                text = text[:room]
+                self._delta_rc_cut = True
+            if self._delta_rc is None:
+                self._delta_rc = [text]
+            else:
+                self._delta_rc.append(text)
+            self._delta_rc_len += len(text)
+        else:
+            self._text(text, False)
+
+    def _text_end(self) -> None:
+        self._text_flush(final=True)
+        if self._frames[-1] == _DELTA:
+            if self._str_any:
+                self._delta_text = True
+            if self._str_key == b"reasoning":
+                self._delta_reasoning = True
+            elif self._str_key == b"reasoning_content" and self._delta_rc is None:
+                self._delta_rc = []
+        if self._str_cut:
+            if self._str_key == b"reasoning_content":
+                self._delta_rc_cut = True
+            else:
+                self._text("", True)
+
+    def _piece_room(self) -> int:
+        room = self._room() if self._room is not None else 0
+        if self._str_key == b"reasoning_content":
+            room -= self._delta_rc_len
+        return room
 
     def _on_key(self, key: bytes | bytearray) -> None:
         self._key = bytes(key)
@@ -481,28 +548,9 @@ class _JsonScan:
         if self._frames[-1] == _DELTA and key == b"role":
             self._delta_role = True
 
-    def _on_text(self, key: bytes | None, raw: bytes | bytearray, cut: bool) -> None:
-        # cut: the string went on past what was kept, so it was not empty.
-        if (raw or cut) and self._frames[-1] == _DELTA:
-            self._delta_text = True
-        if self._emit is None:
-            return
-        text = decode_json_string(raw, cut) if raw else ""
-        if key == b"reasoning_content":
-            # Counted only if the delta has no "reasoning" (vLLM may send both).
-            self._delta_rc = text
-            self._delta_rc_cut = cut
-            return
-        if key == b"reasoning":
-            self._delta_reasoning = True
-        self._text(text, cut)
-
     def _text(self, text: str, cut: bool) -> None:
         if self._emit is not None and (text or cut):
             self._emit(text, cut)
-
-    def _text_room(self) -> int:
-        return self._room() if self._room is not None else 0
 
     # ------------------------------------------------------------------ skipped values
 
