@@ -19,6 +19,7 @@ from kvgate.policy import (
     AdmissionRequest,
     BackendLimits,
     ConcurrencyRule,
+    ManualClock,
     Reason,
     ScopeLimits,
     SettleCause,
@@ -306,3 +307,114 @@ async def test_the_master_is_found_through_sentinel(tmp_path: Path) -> None:
                 assert direct.exists("{sentinel}:tot")
         finally:
             await store.close()
+
+
+async def test_a_short_outage_frees_no_live_request_and_leaves_no_orphan(
+    server: RedisServer, events: _Recorder
+) -> None:
+    """Issue 9, hole 15: Redis hangs (SIGSTOP) for 2.6 s under a 3 s lease. A live request's
+    lease lapses meanwhile and a reserve that timed out during the outage lands when Redis
+    resumes (and sweeps the lapsed lease). On recovery the live request holds its lease
+    again and the orphan is released; both requests are billed once."""
+    shared = RedisStore.from_settings(
+        RedisSettings(url=server.url, key_prefix="outage", timeout_s=TIMEOUT_S), lease_ttl_s=3
+    )
+    # The probe is slow enough for the test to look at Redis before the store recovers.
+    store = FallbackStore(
+        shared,
+        MemoryStore(lease_ttl_s=3),
+        policy=FailurePolicy.FAIL_OPEN,
+        probe_interval_s=1.5,
+        events=events,
+    )
+    raw = server.client()
+    try:
+        started = time.monotonic()
+        live = (await store.reserve(req(1), BACKEND, TENANT)).reservation
+        assert live is not None and live.kv_tokens == 32
+        await asyncio.sleep(1.0)
+        server.pause()
+        # Times out (its script waits in the socket), so it is admitted locally.
+        local = await store.reserve(req(2), BACKEND, TENANT)
+        assert local.admitted and local.reservation is not None
+        assert not store.available and events.fallbacks == [True]
+        assert await store.renew(live)  # unknown while Redis hangs: the request goes on
+        await asyncio.sleep(3.6 - (time.monotonic() - started))
+        server.resume()  # a 2.6 s outage; the live lease lapsed at 3.0 s
+        await asyncio.sleep(0.15)
+        # The timed-out reserve landed, and swept the live request's lapsed lease.
+        leased = raw.hkeys("{outage}:r|b")
+        assert len(leased) == 1, "the timed-out reserve did not land"
+        assert leased != [live.reservation_id.encode()]
+        assert not store.available, "recovered too early for the test to look"
+        assert await store.renew(local.reservation)  # as the request's timer does
+
+        await wait_for(lambda: store.available)
+        statuses = {s.name: s for s in await shared.backend_status()}
+        # Redis holds the live request again, and not the orphan.
+        assert (statuses["b"].kv_tokens_in_flight, statuses["b"].requests_in_flight) == (32, 1)
+        assert raw.hkeys("{outage}:r|b") == [live.reservation_id.encode()]
+        assert await store.renew(live)
+        merged = {s.name: s for s in await store.backend_status()}
+        assert merged["b"].requests_in_flight == 2  # + the local reservation serving r2
+        for n, reservation in enumerate((live, local.reservation)):
+            settlement = await store.settle(
+                reservation,
+                SettleCause.COMPLETED,
+                ActualUsage(10, 3 + n),
+                cost_pico=100 + n,
+                tenant=TENANT,
+            )
+            assert settlement.applied and not settlement.lease_expired
+        await wait_for(lambda: store.pending_settlements == 0)
+        assert await store.usage_totals() == {("t", "m"): UsageTotals(2, 20, 7, 0, 201)}
+        statuses = {s.name: s for s in await store.backend_status()}
+        assert (statuses["b"].kv_tokens_in_flight, statuses["b"].requests_in_flight) == (0, 0)
+    finally:
+        server.resume()
+        raw.close()
+        await store.close()
+
+
+async def test_a_settlement_redelivered_after_any_window_is_booked_once(
+    server: RedisServer, events: _Recorder
+) -> None:
+    """Issue 9, hole 13: a settlement whose first attempt landed but timed out is delivered
+    again from the queue long after `settled_id_retention_s`: booked once."""
+    clock = ManualClock()
+    shared = RedisStore.from_settings(
+        RedisSettings(
+            url=server.url, key_prefix="dup", timeout_s=TIMEOUT_S, settled_id_retention_s=600
+        ),
+        lease_ttl_s=60,
+        clock=clock,
+    )
+    store = FallbackStore(
+        shared,
+        MemoryStore(lease_ttl_s=60, clock=clock),
+        policy=FailurePolicy.FAIL_CLOSED,
+        probe_interval_s=PROBE_S,
+        events=events,
+    )
+    usage = ActualUsage(10, 4)
+    try:
+        first = (await store.reserve(req(1), BACKEND, TENANT)).reservation
+        other = (await store.reserve(req(2), BACKEND, TENANT)).reservation
+        assert first is not None and other is not None
+        # The first attempt lands (its reply is lost: the caller never learns it).
+        assert (
+            await shared.settle(first, SettleCause.COMPLETED, usage, cost_pico=5, tenant=TENANT)
+        ).applied
+        clock.advance(3600)  # far past the retention window
+        assert (
+            await shared.settle(other, SettleCause.COMPLETED, usage, cost_pico=5, tenant=TENANT)
+        ).applied
+        server.pause()
+        await store.settle(first, SettleCause.COMPLETED, usage, cost_pico=5, tenant=TENANT)
+        assert store.pending_settlements == 1  # the retry waits for Redis
+        server.resume()
+        await wait_for(lambda: store.available and store.pending_settlements == 0)
+        assert await store.usage_totals() == {("t", "m"): UsageTotals(2, 20, 8, 0, 10)}
+    finally:
+        server.resume()
+        await store.close()
