@@ -73,6 +73,15 @@ def test_cli_api_key_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config_from_args(build_parser().parse_args(base)).api_keys == ()
 
 
+def test_cli_logprobs_and_history_flags() -> None:
+    base = ["--model-dir", "/m"]
+    config = config_from_args(build_parser().parse_args(base))
+    assert (config.max_logprobs, config.request_history) == (20, 1000)
+    args = build_parser().parse_args([*base, "--max-logprobs", "5", "--request-history", "7"])
+    config = config_from_args(args)
+    assert (config.max_logprobs, config.request_history) == (5, 7)
+
+
 # --- /sim/requests ----------------------------------------------------------------------
 
 
