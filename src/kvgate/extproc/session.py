@@ -28,29 +28,12 @@ from kvgate.extproc.usage_report import USAGE_PATH, tenant_usage_report
 from kvgate.lifecycle import CutRequestCharge, ResponseReading, charged_usage
 from kvgate.openai import (
     ApiError,
+    JsonUsageScanner,
     ParsedRequest,
     SseStreamFilter,
     parse_request,
     rewrite_body,
 )
-
-try:  # TEMP-INTEGRATION
-    from kvgate.openai import JsonUsageScanner
-except ImportError:  # TEMP-INTEGRATION
-    from kvgate.openai import usage_from_json_body
-
-    class JsonUsageScanner:  # type: ignore[no-redef]  # TEMP-INTEGRATION
-        def __init__(self) -> None:
-            self._buf = bytearray()
-
-        def feed(self, chunk: bytes) -> None:
-            self._buf += chunk
-
-        @property
-        def usage(self):  # type: ignore[no-untyped-def]
-            return usage_from_json_body(bytes(self._buf))
-
-
 from kvgate.openai import errors as api_errors
 from kvgate.policy import (
     ActualUsage,
@@ -527,8 +510,8 @@ class StreamSession:
             streamed=self._request.stream if self._request is not None else sse is not None,
             usage=usage,
             counted_output_tokens=counted,
-            content_events=getattr(sse, "content_events", 0),  # TEMP-INTEGRATION
-            output_text_complete=sse is not None and not getattr(sse, "output_text_truncated", 0),
+            content_events=sse.content_events if sse is not None else 0,
+            output_text_complete=sse is not None and not sse.output_text_truncated,
             visible_text=sse is not None and bool(sse.output_text()),
         )
 
