@@ -290,12 +290,16 @@ async def test_the_per_tenant_bound_refuses_with_a_hint(gated: GatedCounter) -> 
         gated.open("a1", "a2", "b1", "x1", "t1")
         await asyncio.gather(*held)
         # By bytes: one job alone may be of any size, a backlog may not exceed the bound.
-        gated.open("huge", "more")
+        gated.open("more", "again")
         first = submit(svc, "A", "huge", 5000)
+        await until(lambda: gated.started[-1:] == ["huge"])
         second = submit(svc, "A", "more", 1)
-        assert await first == 4
         with pytest.raises(TokenizerBusy):
             await second
+        # A reload may raise the bound; it applies to the next call.
+        svc.resize(max_cost_per_tenant=10_000)
+        gated.open("huge")
+        assert await asyncio.gather(first, submit(svc, "A", "again", 1)) == [4, 5]
     finally:
         svc.close()
 
@@ -318,8 +322,8 @@ async def test_close_fails_queued_work(gated: GatedCounter) -> None:
     await until(lambda: gated.started == ["r"])
     queued = submit(svc, "B", "q", 1)
     await until(lambda: svc.pending("B") == (1, 1))
+    svc.close(wait=False)  # before "r" ends, so the worker cannot take "q" first
     gated.open("r")
-    svc.close()
     assert await running == 1
     with pytest.raises(RuntimeError, match="closed"):
         await queued

@@ -441,12 +441,23 @@ class TokenizerService:
     def max_workers(self) -> int:
         return self._scheduler.workers
 
-    def resize(self, *, max_workers: int | None = None, cache_size: int | None = None) -> None:
-        """Apply new ``tokenizer_threads`` / ``tokenizer_cache_entries`` (config reload)."""
+    def resize(
+        self,
+        *,
+        max_workers: int | None = None,
+        cache_size: int | None = None,
+        max_jobs_per_tenant: int | None = None,
+        max_cost_per_tenant: int | None = None,
+    ) -> None:
+        """Apply new sizes on a config reload; work already accepted is not affected."""
         if max_workers is not None:
             self._scheduler.resize(max_workers)
         if cache_size is not None:
             self._cache.resize(cache_size)
+        if max_jobs_per_tenant is not None:
+            self._scheduler.max_jobs_per_tenant = max_jobs_per_tenant
+        if max_cost_per_tenant is not None:
+            self._scheduler.max_cost_per_tenant = max_cost_per_tenant
 
     def pending(self, tenant: str) -> tuple[int, int]:
         """(jobs, cost) of the tenant's work that is queued or running."""
