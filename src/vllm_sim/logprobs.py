@@ -46,6 +46,9 @@ class LogprobSource:
         self._tok = tokenizer
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
+        self._seen: set[str] = set()
+        self._specials = set(tokenizer.special_ids)
+        self._next_scan = 0
         self._pool = self._alternatives_pool()
 
     def text(self, token_id: int) -> str:
@@ -65,27 +68,37 @@ class LogprobSource:
 
     def _alternatives_pool(self) -> list[int]:
         """Single tokens with distinct, printable texts: the output words first, then
-        the first fitting ids of the vocabulary."""
+        the first fitting ids of the vocabulary (grown on demand, see _grow_pool)."""
         pool: list[int] = []
-        seen: set[str] = set()
-        specials = set(self._tok.special_ids)
-
-        def take(token_id: int) -> None:
-            if token_id in specials:
-                return
-            text = self.text(token_id)
-            if not text.strip() or "\ufffd" in text or not text.isprintable() or text in seen:
-                return
-            seen.add(text)
-            pool.append(token_id)
-
         for token_id in self._tok.word_ids:
-            take(token_id)
-        token_id = 0
-        while len(pool) < _POOL_SIZE and token_id < self._tok.vocab_size:
-            take(token_id)
-            token_id += 1
+            self._take(pool, token_id)
+        self._grow_pool(pool, _POOL_SIZE)
         return pool
+
+    def _take(self, pool: list[int], token_id: int) -> None:
+        if token_id in self._specials:
+            return
+        text = self.text(token_id)
+        if not text.strip() or "\ufffd" in text or not text.isprintable() or text in self._seen:
+            return
+        self._seen.add(text)
+        pool.append(token_id)
+
+    def _grow_pool(self, pool: list[int], size: int) -> None:
+        while len(pool) < size and self._next_scan < self._tok.vocab_size:
+            self._take(pool, self._next_scan)
+            self._next_scan += 1
+
+    def prepare(self, k: int, token_ids: Sequence[int] = ()) -> None:
+        """Decode ahead (off the event loop) everything a request's logprobs will show:
+        the output words, EOS, the alternatives for top-k, and ``token_ids`` (an
+        echoed prompt), so that building them touches the tokenizer no more."""
+        if len(self._pool) <= k:
+            self._grow_pool(self._pool, k + 1)
+        for token_id in (*self._tok.word_ids, *token_ids):
+            self.text(token_id)
+        if self._tok.eos_token_id is not None:
+            self.text(self._tok.eos_token_id)
 
     def position(self, token_id: int, k: int, choice: int, index: int) -> Position:
         """The ordered logprob dict of one sampled (or prompt) token."""
@@ -93,6 +106,8 @@ class LogprobSource:
         entries: Position = [(token_id, self.text(token_id), logprob)]
         if k > 1:
             pool = self._pool
+            if len(pool) <= k:  # --max-logprobs above the default pool
+                self._grow_pool(pool, k + 1)
             start = (index * 7 + choice * 13) % len(pool)
             rank = 1
             for step in range(len(pool)):

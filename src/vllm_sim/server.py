@@ -237,10 +237,17 @@ class VllmSim:
 
     @property
     def logprob_source(self) -> LogprobSource:
-        # Built on the first request that asks for logprobs (never on the common path).
-        if self._logprob_source is None:
-            self._logprob_source = LogprobSource(self.tokenizer)
+        assert self._logprob_source is not None, "call _prepare_logprobs first"
         return self._logprob_source
+
+    async def _prepare_logprobs(self, k: int, echo_ids: list[list[int]]) -> None:
+        """Built on the first request that asks for logprobs (never on the common
+        path); all decoding happens on the tokenizer's executor thread, like every
+        other use of the tokenizer."""
+        if self._logprob_source is None:
+            self._logprob_source = await self._off_loop(LogprobSource, self.tokenizer)
+        ids = [t for p in echo_ids for t in p]
+        await self._off_loop(self._logprob_source.prepare, k, ids)
 
     # --- plumbing ------------------------------------------------------------------
 
@@ -550,6 +557,8 @@ class VllmSim:
         engine_error = check_logprobs(common, self.config.max_logprobs) or engine_error
         if engine_error is not None:
             return await self._engine_refusal(request, common, engine_error)
+        if common.logprobs is not None:
+            await self._prepare_logprobs(common.logprobs, prompts if echoes is not None else [])
         # One engine sequence per (prompt, n) pair, as vLLM fans n out into child
         # requests; choice index = prompt_index * n + k.
         many = len(prompts) * common.n > 1

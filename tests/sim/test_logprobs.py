@@ -336,3 +336,13 @@ async def test_steering_and_auth_with_logprobs(make_client: MakeClient) -> None:
     assert contents == [2, 1]
     records = (await (await client.get("/sim/requests")).json())["requests"]
     assert records[0]["body"]["logprobs"] is True and records[0]["body"]["top_logprobs"] == 2
+
+
+async def test_many_top_logprobs_when_allowed(make_client: MakeClient) -> None:
+    client = await make_client(max_logprobs=-1)
+    body = chat_body(max_tokens=3, logprobs=True, top_logprobs=100)
+    content = (await (await client.post(CHAT, json=body)).json())["choices"][0]["logprobs"][
+        "content"
+    ]
+    for entry in content:
+        _check_chat_entry(entry, 100)
