@@ -488,6 +488,12 @@ async def test_abandon_is_harmless_when_nothing_was_committed(
     assert not await settle(store, expired, 10, 10)  # abandoned: nothing to bill
     assert await settle(store, kept, 95, 1)
     assert await store.usage_totals() == {("t", "m"): UsageTotals(1, 95, 1, 0, 0)}
+    # A request without an id cannot be told apart: abandon leaves it (and others) alone.
+    anonymous = await admitted(store, req(1, 1, rid=""), policy)
+    await store.abandon(req(1, 1, rid=""))
+    assert await in_flight(store) == (20, 2)  # "second" and the anonymous one
+    assert await settle(store, anonymous, 1, 1)
+    assert (await reserve(store, req(1, 1, rid=""), policy)).admitted
 
 
 async def test_renew_extends_a_lease(make_store: StoreFactory, clock: ManualClock) -> None:

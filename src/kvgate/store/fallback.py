@@ -217,6 +217,8 @@ class FallbackStore:
             self._orphans.pop(key, None)
 
     def _orphan(self, request: AdmissionRequest) -> None:
+        if not request.request_id:
+            return  # cannot be abandoned: its lease, if any, expires on its own
         key = (request.tenant, request.request_id)
         self._orphans.pop(key, None)
         if len(self._orphans) >= self._max_pending:

@@ -122,7 +122,7 @@ class MemoryStore:
         now = self._clock.now()
         self._sweep(now)
         key = (request.tenant, request.request_id)
-        if self._abandoned.get(key, now) > now:
+        if request.request_id and self._abandoned.get(key, now) > now:
             return abandoned_decision(request)
         self._policies[tenant.name] = tenant
         decision = admit(
@@ -138,7 +138,8 @@ class MemoryStore:
         reservation = decision.reservation
         if reservation is not None:
             self._bills[reservation.reservation_id] = (reservation, now + self._bill_retention_s)
-            self._by_request[key] = reservation.reservation_id
+            if request.request_id:
+                self._by_request[key] = reservation.reservation_id
         return decision
 
     async def precheck(
@@ -220,6 +221,8 @@ class MemoryStore:
         return backend.renew(reservation.reservation_id, now, self._lease_ttl_s)
 
     async def abandon(self, request: AdmissionRequest) -> None:
+        if not request.request_id:
+            return  # nothing identifies it: its lease expires on its own
         now = self._clock.now()
         key = (request.tenant, request.request_id)
         self._abandoned[key] = now + self._abandon_retention_s

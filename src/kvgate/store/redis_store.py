@@ -572,6 +572,8 @@ class RedisStore:
         return [int(state) for state in _list(result)]
 
     async def abandon(self, request: AdmissionRequest) -> None:
+        if not request.request_id:
+            return  # nothing identifies it: its lease expires on its own
         await self._run(
             "abandon",
             self._abandon,

@@ -9,8 +9,9 @@ local now, wall = clock(a)
 local expired = sweep(P, now, 100)
 -- An abandoned request (its caller gave up on this very call, or on an earlier attempt)
 -- commits nothing: this reserve landed after its compensating release.
+-- (A request without an id cannot be abandoned, so it is not indexed either.)
 local rq = a.t .. '|' .. a.rid
-local gone = redis.call('ZSCORE', P .. ':ab', rq)
+local gone = a.rid ~= '' and redis.call('ZSCORE', P .. ':ab', rq)
 if gone and tonumber(gone) > now then
   return cjson.encode({ ab = true, ok = false, now = num(now), wall = num(wall), exp = expired })
 end
@@ -163,7 +164,9 @@ if admitted then
   -- The billing record: outlives the lease, consumed by the first settlement.
   redis.call('HSET', P .. ':bill', a.id, rec)
   redis.call('ZADD', P .. ':billx', num(now + a.keep), a.id)
-  redis.call('HSET', P .. ':rq', rq, a.b .. '|' .. a.id)
+  if a.rid ~= '' then
+    redis.call('HSET', P .. ':rq', rq, a.b .. '|' .. a.id)
+  end
 end
 -- Refills and synced rules are kept either way, as the memory store keeps them; the
 -- tenant-wide buckets are read for the x-ratelimit-* view, which refills them.
