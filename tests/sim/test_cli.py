@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
@@ -90,3 +91,39 @@ def test_help() -> None:
     )
     for flag in ("--model-dir", "--served-model-name", "--num-gpu-blocks", "--itl-ms"):
         assert flag in out.stdout
+
+
+@pytest.fixture
+def sim_with_env_key(model_dir: Path) -> Iterator[str]:
+    exe = str(SCRIPT) if SCRIPT.exists() else shutil.which("vllm-sim")
+    assert exe, "vllm-sim console script not installed"
+    port = _free_port()
+    argv = [exe, "--model-dir", str(model_dir), "--served-model-name", MODEL, "--port", str(port)]
+    env = {**os.environ, "VLLM_API_KEY": "sk-env"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def test_console_script_api_key_from_env(sim_with_env_key: str) -> None:
+    """VLLM_API_KEY reaches the real process: /v1 is closed, /health open."""
+    base = sim_with_env_key
+    async with aiohttp.ClientSession() as session:
+        await _wait_healthy(session, base)
+        body = {"model": MODEL, "messages": USER_HI, "max_tokens": 2}
+        async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 401
+            assert await resp.read() == b'{"error":"Unauthorized"}'
+        headers = {"Authorization": "Bearer sk-env"}
+        async with session.post(f"{base}/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200
+        async with session.get(f"{base}/sim/requests") as resp:
+            records = (await resp.json())["requests"]
+        assert [r["status"] for r in records] == [401, 200]
