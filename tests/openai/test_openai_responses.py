@@ -169,11 +169,13 @@ TRICKY_BODIES = [
 ]
 
 
-def scan(chunks: list[bytes]) -> Usage | None:
-    s = JsonUsageScanner()
+def scan(chunks: list[bytes], hold: int = 0) -> Usage | None:
+    # hold=0: scan incrementally from the first byte (the path of large bodies).
+    s = JsonUsageScanner(hold_bytes=hold)
     for c in chunks:
         s.feed(c)
-        assert s.buffered_bytes <= 16 * 1024
+        assert s.buffered_bytes <= 16 * 1024 + hold
+    assert s.scanning == (s.bytes_seen > hold)
     return s.finish()
 
 
@@ -184,6 +186,8 @@ def scan(chunks: list[bytes]) -> Usage | None:
 def test_scanner_matches_usage_from_json_body_at_every_split(body: bytes) -> None:
     expected = usage_from_json_body(body)
     assert scan([body]) == expected
+    assert scan([body], hold=64 * 1024) == expected
+    assert scan([body[:5], body[5:]], hold=20) == expected  # held, then scanned
     for i in range(len(body) + 1):
         assert scan([body[:i], body[i:]]) == expected, i
     assert scan([body[i : i + 1] for i in range(len(body))]) == expected
@@ -225,7 +229,9 @@ def test_scanner_random_bodies_random_splits() -> None:
         body, truth = rand_body(rng)
         cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(0, 40))))
         bounds = [0, *cuts, len(body)]
-        assert scan([body[a:b] for a, b in itertools.pairwise(bounds)]) == truth, body
+        chunks = [body[a:b] for a, b in itertools.pairwise(bounds)]
+        assert scan(chunks) == truth, body
+        assert scan(chunks, hold=rng.randint(0, len(body))) == truth, body
 
 
 def test_scanner_key_and_escape_split_across_chunks() -> None:
@@ -259,13 +265,13 @@ def test_scanner_20mib_body_bounded_memory(usage_first: bool) -> None:
             yield piece.encode()
         yield entry.encode() + b"]}}]" + (b"" if usage_first else b"," + usage) + b"}"
 
-    s = JsonUsageScanner()
+    s = JsonUsageScanner()  # default hold: 64 KiB
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         for c in chunks():
             s.feed(c)
-            assert s.buffered_bytes <= 16 * 1024
+            assert s.buffered_bytes <= 16 * 1024 or not s.scanning
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()

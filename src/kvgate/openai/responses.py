@@ -21,6 +21,7 @@ from json.decoder import scanstring
 from typing import Any, Final
 
 __all__ = [
+    "DEFAULT_HOLD_BYTES",
     "DEFAULT_MAX_CAPTURE_BYTES",
     "JsonUsageScanner",
     "Usage",
@@ -626,40 +627,64 @@ class _JsonScan:
             self.error = obj
 
 
+#: A non-streamed body up to this size is held and read at the end by
+#: :func:`usage_from_json_body` (a backwards search: microseconds); a larger one
+#: is scanned incrementally as it arrives instead.
+DEFAULT_HOLD_BYTES: Final = 64 * 1024
+
+
 class JsonUsageScanner:
     """Top-level ``usage`` of a non-streamed JSON body of any size, fed in chunks.
 
-    Memory is bounded whatever the body size: only the ``usage`` value (at most
-    ``max_usage_bytes``) and a few scanner fields are kept; ``choices`` and
-    everything else are skipped as they stream by. Strings, escapes and nesting
-    are tracked, so a ``"usage"`` inside a string or a nested object is never
-    taken. Gives the same result as :func:`usage_from_json_body` on a well-formed
-    body; if the key occurs twice at top level, the last well-formed one wins.
+    Memory is bounded whatever the body size: a body up to ``hold_bytes`` is
+    held and read at the end with :func:`usage_from_json_body`; past that, the
+    held bytes and every later chunk go through an incremental scanner that
+    keeps only the ``usage`` value (at most ``max_usage_bytes``): ``choices``
+    and everything else are skipped as they stream by. Strings, escapes and
+    nesting are tracked, so a ``"usage"`` inside a string or a nested object is
+    never taken. Both give the same result on a well-formed body; if the key
+    occurs twice at top level, the last well-formed one wins.
 
-    ``usage`` is known as soon as its value has been read (before the body ends);
-    ``finish()`` returns it, or None when the body had none (then the caller must
-    assume the worst case).
+    ``finish()`` returns the usage, or None when the body had none (not JSON,
+    an error body, a body cut before its usage): then the engine's count is
+    unknown and the caller must assume the worst case.
     """
 
-    __slots__ = ("_scan", "bytes_seen")
+    __slots__ = ("_held", "_hold", "_scan", "bytes_seen")
 
-    def __init__(self, *, max_usage_bytes: int = DEFAULT_MAX_CAPTURE_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        hold_bytes: int = DEFAULT_HOLD_BYTES,
+        max_usage_bytes: int = DEFAULT_MAX_CAPTURE_BYTES,
+    ) -> None:
+        self._hold = hold_bytes
+        self._held: bytearray | None = bytearray()  # None once scanning
         self._scan = _JsonScan(max_capture_bytes=max_usage_bytes)
         self.bytes_seen = 0
 
     def feed(self, chunk: bytes | bytearray) -> None:
         self.bytes_seen += len(chunk)
+        held = self._held
+        if held is not None:
+            if len(held) + len(chunk) <= self._hold:
+                held += chunk
+                return
+            self._held = None  # too large to hold: scan from here on
+            self._scan.feed(held)
         self._scan.feed(chunk)
 
     def finish(self) -> Usage | None:
+        if self._held is not None:
+            return usage_from_json_body(bytes(self._held))
         return self._scan.usage
 
     @property
-    def usage(self) -> Usage | None:
-        """Usage read so far (None until the ``usage`` value is complete)."""
-        return self._scan.usage
+    def scanning(self) -> bool:
+        """The body outgrew ``hold_bytes`` and is being scanned incrementally."""
+        return self._held is None
 
     @property
     def buffered_bytes(self) -> int:
-        """Bytes currently held (the partial usage value or key): bounded."""
-        return self._scan.buffered_bytes
+        """Bytes currently held: at most ``hold_bytes`` + ``max_usage_bytes``."""
+        return len(self._held) if self._held is not None else self._scan.buffered_bytes
