@@ -176,6 +176,7 @@ def scan(chunks: list[bytes], hold: int = 0) -> Usage | None:
         s.feed(c)
         assert s.buffered_bytes <= 16 * 1024 + hold
     assert s.scanning == (s.bytes_seen > hold)
+    assert s.usage == s.finish()
     return s.finish()
 
 

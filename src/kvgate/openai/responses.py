@@ -675,6 +675,13 @@ class JsonUsageScanner:
         self._scan.feed(chunk)
 
     def finish(self) -> Usage | None:
+        """The body's usage, or None (call once the whole body was fed)."""
+        return self.usage
+
+    @property
+    def usage(self) -> Usage | None:
+        """Usage in the bytes fed so far (same as ``finish()``; a held body is
+        read on each access, a scanned one as soon as its usage value ends)."""
         if self._held is not None:
             return usage_from_json_body(bytes(self._held))
         return self._scan.usage
