@@ -683,11 +683,10 @@ def test_istio_cluster_is_the_kvgate_service() -> None:
     assert rule["spec"]["trafficPolicy"]["connectionPool"]["http"]["http2MaxRequests"] >= 10000
 
 
-@pytest.mark.parametrize("path", ISTIO_FILTERS, ids=rel)
-def test_istio_patches_validate_on_envoy_yaml(path: Path, tmp_path: Path) -> None:
-    """Apply the patches (roughly as istiod would) to envoy/envoy.yaml and validate."""
-    (envoy_filter,) = objects(path, "EnvoyFilter")
-    config = envoy_reference()
+def apply_istio_patches(config: dict[str, Any], envoy_filter: dict[str, Any]) -> dict[str, Any]:
+    """Apply an EnvoyFilter's patches to a one-listener Envoy bootstrap, roughly as istiod
+    would (the ext_proc cluster renamed to the bootstrap's `kvgate_extproc`)."""
+    config = copy.deepcopy(config)
     listener = config["static_resources"]["listeners"][0]
     hcm = hcm_of(listener)
     for patch in envoy_filter["spec"]["configPatches"]:
@@ -705,9 +704,54 @@ def test_istio_patches_validate_on_envoy_yaml(path: Path, tmp_path: Path) -> Non
         elif patch["applyTo"] == "LISTENER":
             assert patch["patch"]["operation"] == "MERGE"
             listener.update(deep_merge(listener, value))
+        elif patch["applyTo"] == "HTTP_ROUTE":
+            assert patch["patch"]["operation"] == "INSERT_FIRST"
+            for vhost in hcm["route_config"]["virtual_hosts"]:
+                vhost["routes"] = [value, *vhost["routes"]]
         else:
             raise AssertionError(f"unexpected patch {patch['applyTo']}")
+    return config
+
+
+def istio_inbound_bootstrap() -> dict[str, Any]:
+    """envoy/envoy.yaml turned into what an Istio sidecar's inbound listener for vLLM's
+    port looks like before kvgate's EnvoyFilter: Istio's inbound defaults (no
+    use_remote_address, no early header mutation; callers from the pod network and
+    loopback count as internal) and its single route sending everything to the local
+    vLLM; then deploy/istio/envoyfilter-sidecar.yaml applied."""
+    config = envoy_reference()
+    hcm = hcm_of(config["static_resources"]["listeners"][0])
+    for key in ("use_remote_address", "xff_num_trusted_hops", "early_header_mutation_extensions"):
+        hcm.pop(key, None)
+    hcm["internal_address_config"] = {
+        "cidr_ranges": [
+            {"address_prefix": prefix, "prefix_len": length}
+            for prefix, length in (("10.0.0.0", 8), ("172.16.0.0", 12), ("192.168.0.0", 16))
+        ]
+        + [{"address_prefix": "127.0.0.0", "prefix_len": 8}]
+    }
+    (vhost,) = hcm["route_config"]["virtual_hosts"]
+    vhost["routes"] = [
+        {
+            "name": "default",
+            "match": {"prefix": "/"},
+            "route": {"cluster": "vllm-local", "timeout": "0s"},
+        }
+    ]
+    (envoy_filter,) = objects(ISTIO_FILTERS[1], "EnvoyFilter")
+    return apply_istio_patches(config, envoy_filter)
+
+
+@pytest.mark.parametrize("path", ISTIO_FILTERS, ids=rel)
+def test_istio_patches_validate_on_envoy_yaml(path: Path, tmp_path: Path) -> None:
+    """Apply the patches (roughly as istiod would) to envoy/envoy.yaml and validate."""
+    (envoy_filter,) = objects(path, "EnvoyFilter")
+    config = apply_istio_patches(envoy_reference(), envoy_filter)
     assert_valid_envoy(config, tmp_path, f"istio-{path.stem}.yaml")
+
+
+def test_istio_inbound_bootstrap_validates(tmp_path: Path) -> None:
+    assert_valid_envoy(istio_inbound_bootstrap(), tmp_path, "istio-inbound.yaml")
 
 
 def test_istio_gateway_routes_every_kvgate_backend() -> None:
@@ -721,7 +765,9 @@ def test_istio_gateway_routes_every_kvgate_backend() -> None:
         if "x-kvgate-backend" in m.get("headers", {})
     }
     assert routed == backends
-    assert "match" not in service["spec"]["http"][-1], "the last route takes pass-through"
+    last = service["spec"]["http"][-1]
+    assert "match" not in last and "route" not in last, "the last route answers locally"
+    assert last["directResponse"]["status"] == 500
     gateway = one(ISTIO_FILTERS[0], "Gateway", "llm-gateway")
     assert f"{ns(gateway)}/{gateway['metadata']['name']}" in service["spec"]["gateways"]
 
@@ -773,6 +819,261 @@ def test_envoy_gateway_routes_every_kvgate_backend() -> None:
     traffic = one(EG_POLICY, "ClientTrafficPolicy")
     removed = set(traffic["spec"]["headers"]["earlyRequestHeaders"]["remove"])
     assert {"x-kvgate-backend", "x-kvgate-tenant", "x-kvgate-model"} <= removed
+
+
+# --------------------------------------------------------------------------- the edge
+# Who may reach a backend, and who may steer Envoy (issue 9, holes 1 and 14), asserted for
+# every shipped config. tests/e2e/test_edge_holes.py runs the real Envoy on them.
+
+# The local error for a request kvgate did not decide on.
+NOT_ADMITTED = {
+    "error": {
+        "message": "The request was not admitted by kvgate, so it was not forwarded to a model "
+        "server.",
+        "type": "server_error",
+        "param": None,
+        "code": "not_admitted",
+    }
+}
+# x-envoy-* request headers a client could use to make Envoy retry, time out, hedge or
+# mislabel a request; every config removes at least these.
+ENVOY_CONTROL_HEADERS = (
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-max-retries",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-original-path",
+    "x-envoy-internal",
+)
+PASSTHROUGH_PREFIX = "/v1/models"
+
+
+def shipped_bootstraps() -> dict[str, dict[str, Any]]:
+    """Every full Envoy bootstrap shipped (name -> config)."""
+    found = {
+        rel(path): yaml.safe_load(path.read_text(encoding="utf-8"))
+        for path in sorted((REPO_ROOT / "envoy").glob("*.yaml"))
+    }
+    found[rel(SIDECAR)] = sidecar_bootstrap()
+    return found
+
+
+def ingress_hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    (listener,) = [
+        listener
+        for listener in bootstrap["static_resources"]["listeners"]
+        if listener["name"] == "ingress"
+    ]
+    return hcm_of(listener)
+
+
+def removed_prefixes(hcm: dict[str, Any]) -> set[str]:
+    """The header-name prefixes the HCM's early header mutation removes."""
+    prefixes = set()
+    for extension in hcm.get("early_header_mutation_extensions", []):
+        for mutation in extension["typed_config"]["mutations"]:
+            matcher = mutation.get("remove_on_match", {}).get("key_matcher", {})
+            if "prefix" in matcher:
+                prefixes.add(matcher["prefix"])
+    return prefixes
+
+
+def removed_by_regex(hcm: dict[str, Any]) -> list[str]:
+    regexes = []
+    for extension in hcm.get("early_header_mutation_extensions", []):
+        for mutation in extension["typed_config"]["mutations"]:
+            matcher = mutation.get("remove_on_match", {}).get("key_matcher", {})
+            if "safe_regex" in matcher:
+                regexes.append(matcher["safe_regex"]["regex"])
+    return regexes
+
+
+def header_match(route: dict[str, Any], name: str) -> dict[str, Any] | None:
+    for header in route["match"].get("headers", []):
+        if header["name"] == name:
+            found: dict[str, Any] = header
+            return found
+    return None
+
+
+def check_not_admitted_response(route: dict[str, Any], where: str) -> None:
+    """An Envoy route that answers kvgate's not_admitted error itself."""
+    response = route["direct_response"]
+    assert response["status"] == 500, where
+    assert json.loads(response["body"]["inline_string"]) == NOT_ADMITTED, where
+    content_types = [
+        h["header"]["value"]
+        for h in route.get("response_headers_to_add", [])
+        if h["header"]["key"].lower() == "content-type"
+    ]
+    assert content_types == ["application/json"], where
+    assert route["response_headers_to_add"][0].get("append_action") == (
+        "OVERWRITE_IF_EXISTS_OR_ADD"
+    ), where
+
+
+def check_guard_routes(routes: list[dict[str, Any]], where: str) -> None:
+    """A backend only on kvgate's decision: admitted requests by x-kvgate-backend, the
+    pass-through paths by x-kvgate-tenant, everything else a local JSON error; no retries."""
+    for route in routes:
+        assert "retry_policy" not in route.get("route", {}), f"{where}: {route['name']} retries"
+        if "direct_response" in route:
+            check_not_admitted_response(route, f"{where}: {route['name']}")
+            continue
+        action = route["route"]
+        backend = header_match(route, "x-kvgate-backend")
+        tenant = header_match(route, "x-kvgate-tenant")
+        if backend is not None:
+            assert backend == {"name": "x-kvgate-backend", "present_match": True}, where
+            assert action == {**action, "cluster_header": "x-kvgate-backend"}, where
+        else:
+            assert tenant == {"name": "x-kvgate-tenant", "present_match": True}, (
+                f"{where}: route {route['name']} reaches a backend without kvgate's header"
+            )
+            assert route["match"] == {
+                "path_separated_prefix": PASSTHROUGH_PREFIX,
+                "headers": [tenant],
+            }, f"{where}: pass-through beyond {PASSTHROUGH_PREFIX}"
+    last = routes[-1]
+    assert last["match"] == {"prefix": "/"} and "direct_response" in last, (
+        f"{where}: the last route must answer locally"
+    )
+    assert any(header_match(r, "x-kvgate-backend") for r in routes), where
+
+
+@pytest.mark.parametrize("name", sorted(shipped_bootstraps()))
+def test_bootstrap_edge_settings(name: str) -> None:
+    bootstrap = shipped_bootstraps()[name]
+    hcm = ingress_hcm(bootstrap)
+    # Clients are external: Envoy honours no x-envoy-* header of theirs.
+    assert hcm["use_remote_address"] is True, name
+    assert hcm["xff_num_trusted_hops"] == 0, name
+    assert hcm["internal_address_config"] == {}, f"{name}: no address may count as internal"
+    assert {"x-kvgate-", "x-envoy-"} <= removed_prefixes(hcm), name
+    (vhost,) = hcm["route_config"]["virtual_hosts"]
+    assert "retry_policy" not in vhost, name
+    check_guard_routes(vhost["routes"], name)
+    # The pass-through route is chosen on a header kvgate sets without asking for a re-match.
+    (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == EXT_PROC]
+    assert ext_proc["typed_config"]["route_cache_action"] == "CLEAR", name
+    # Backend clusters refuse retries outright.
+    for cluster in bootstrap["static_resources"]["clusters"]:
+        if cluster["name"] in ("kvgate_extproc", "envoy_admin"):
+            continue
+        thresholds = cluster["circuit_breakers"]["thresholds"]
+        assert {t["priority"] for t in thresholds} == {"DEFAULT", "HIGH"}, name
+        assert all(t["max_retries"] == 0 for t in thresholds), f"{name}: {cluster['name']}"
+
+
+def test_every_envoy_bootstrap_is_checked() -> None:
+    from tests.e2e.test_envoy_configs import envoy_bootstraps
+
+    assert {rel(p) for p in envoy_bootstraps()} <= set(shipped_bootstraps())
+
+
+def _network_patch(path: Path) -> dict[str, Any]:
+    (envoy_filter,) = objects(path, "EnvoyFilter")
+    (patch,) = [
+        p for p in envoy_filter["spec"]["configPatches"] if p["applyTo"] == "NETWORK_FILTER"
+    ]
+    value: dict[str, Any] = patch["patch"]["value"]["typed_config"]
+    return value
+
+
+def test_istio_gateway_edge() -> None:
+    hcm = _network_patch(ISTIO_FILTERS[0])
+    assert hcm["use_remote_address"] is True
+    assert {"x-kvgate-", "x-envoy-"} <= removed_prefixes(hcm)
+    (envoy_filter,) = objects(ISTIO_FILTERS[0], "EnvoyFilter")
+    assert (
+        ext_proc_patch(envoy_filter)["patch"]["value"]["typed_config"]["route_cache_action"]
+        == "CLEAR"
+    )
+    service = one(ISTIO_FILTERS[0], "VirtualService", "llm")
+    routes = service["spec"]["http"]
+    for route in routes:
+        if "directResponse" in route:
+            continue
+        # Istio retries by default (2 attempts): a retry is a second generation.
+        assert route["retries"] == {"attempts": 0}, route["name"]
+        for match in route["match"]:
+            headers = match.get("headers", {})
+            if "x-kvgate-backend" in headers:
+                assert set(match) == {"headers"}
+                assert set(headers["x-kvgate-backend"]) == {"exact"}
+            else:
+                assert headers == {"x-kvgate-tenant": {"regex": ".+"}}, route["name"]
+                assert match["uri"] in ({"exact": "/v1/models"}, {"prefix": "/v1/models/"})
+    last = routes[-1]
+    assert set(last) == {"name", "directResponse", "headers"}
+    assert last["directResponse"]["status"] == 500
+    assert json.loads(last["directResponse"]["body"]["string"]) == NOT_ADMITTED
+    assert last["headers"] == {"response": {"set": {"content-type": "application/json"}}}
+
+
+def test_istio_sidecar_edge() -> None:
+    hcm = _network_patch(ISTIO_FILTERS[1])
+    assert "x-kvgate-" in removed_prefixes(hcm)
+    # The control headers go; Istio's own metadata exchange between sidecars stays.
+    (regex,) = removed_by_regex(hcm)
+    for name in ENVOY_CONTROL_HEADERS:
+        assert re.fullmatch(regex, name), name
+    for name in ("x-envoy-peer-metadata", "x-envoy-peer-metadata-id", "x-envoy-attempt-count"):
+        assert not re.fullmatch(regex, name), name
+    # On Istio's inbound route table, the guard routes come first, then Istio's own route.
+    inbound = istio_inbound_bootstrap()
+    (vhost,) = ingress_hcm(inbound)["route_config"]["virtual_hosts"]
+    guards, istio_default = vhost["routes"][:-1], vhost["routes"][-1]
+    assert istio_default["name"] == "default"
+    assert len(guards) == 2
+    for route in guards:
+        check_not_admitted_response(route, route["name"])
+        assert header_match(route, "x-kvgate-backend") == {
+            "name": "x-kvgate-backend",
+            "present_match": False,
+        }
+    (other_paths,) = [r for r in guards if r["match"].get("prefix") == "/"]
+    (path_header,) = [h for h in other_paths["match"]["headers"] if h["name"] == ":path"]
+    assert path_header["invert_match"] is True
+    models = path_header["string_match"]["safe_regex"]["regex"]
+    for path in ("/v1/models", "/v1/models/m", "/v1/models?x=1", "/v1/models/m?x=/y"):
+        assert re.fullmatch(models, path), path
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/modelsx", "/v1/models2/x"):
+        assert not re.fullmatch(models, path), path
+
+
+def test_envoy_gateway_edge() -> None:
+    traffic = one(EG_POLICY, "ClientTrafficPolicy")
+    assert traffic["spec"]["clientIPDetection"] == {"xForwardedFor": {"numTrustedHops": 0}}
+    removed = set(traffic["spec"]["headers"]["earlyRequestHeaders"]["remove"])
+    assert set(ENVOY_CONTROL_HEADERS) <= removed
+    assert not objects(EG_POLICY, "BackendTrafficPolicy"), "no retry policy for generations"
+    route = one(EG_POLICY, "HTTPRoute", "llm")
+    guard = None
+    for rule in route["spec"]["rules"]:
+        assert "retry" not in rule
+        (match,) = rule["matches"]
+        if "backendRefs" not in rule:
+            assert match == {"path": {"type": "PathPrefix", "value": "/"}}
+            (filter_,) = rule["filters"]
+            guard = filter_["extensionRef"]
+            continue
+        headers = match.get("headers", [])
+        if headers:
+            assert [h["name"] for h in headers] == ["x-kvgate-backend"]
+        else:
+            # The documented deviation: the pass-through path alone.
+            assert match == {"path": {"type": "PathPrefix", "value": PASSTHROUGH_PREFIX}}
+    assert guard is not None and guard["kind"] == "HTTPRouteFilter"
+    response = one(EG_POLICY, "HTTPRouteFilter", guard["name"])["spec"]["directResponse"]
+    assert response["statusCode"] == 500
+    assert response["contentType"] == "application/json"
+    assert response["body"]["type"] == "Inline"
+    assert json.loads(response["body"]["inline"]) == NOT_ADMITTED
 
 
 # --------------------------------------------------------------------------- PromQL names
