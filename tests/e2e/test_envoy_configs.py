@@ -109,3 +109,42 @@ def test_rendered_config_without_the_template_backend(tmp_path: Path) -> None:
     _assert_valid(dst)
     text = dst.read_text(encoding="utf-8")
     assert "vllm-local" not in text
+
+
+@pytest.mark.parametrize(
+    "config",
+    sorted((REPO_ROOT / "envoy").glob("*.yaml")),
+    ids=lambda p: str(p.relative_to(REPO_ROOT)),
+)
+def test_rendered_config_keeps_the_edge(config: Path, tmp_path: Path) -> None:
+    """What the e2e tests run is what ships: the harness's rendering keeps the routing guard
+    and the client-header settings; only the pass-through route follows the backend."""
+    from tests.deploy.test_manifests import (
+        check_guard_routes,
+        ingress_hcm,
+        removed_prefixes,
+    )
+
+    dst = render_envoy_config(
+        config,
+        tmp_path / "envoy.yaml",
+        listen_port=free_port(),
+        admin_port=free_port(),
+        extproc_port=free_port(),
+        backends={"gpu-a": free_port(), "gpu-b": free_port()},
+    )
+    _assert_valid(dst)
+    shipped = yaml.safe_load(config.read_text(encoding="utf-8"))
+    rendered = yaml.safe_load(dst.read_text(encoding="utf-8"))
+    hcm, shipped_hcm = ingress_hcm(rendered), ingress_hcm(shipped)
+    for key in ("use_remote_address", "xff_num_trusted_hops", "internal_address_config"):
+        assert hcm[key] == shipped_hcm[key], key
+    assert removed_prefixes(hcm) == removed_prefixes(shipped_hcm) >= {"x-kvgate-", "x-envoy-"}
+    (vhost,) = hcm["route_config"]["virtual_hosts"]
+    check_guard_routes(vhost["routes"], str(dst))
+    (shipped_vhost,) = shipped_hcm["route_config"]["virtual_hosts"]
+    for route, original in zip(vhost["routes"], shipped_vhost["routes"], strict=True):
+        if route.get("route", {}).get("cluster"):
+            assert route["route"]["cluster"] == "gpu-a"
+            route = {**route, "route": {**route["route"], "cluster": "vllm-local"}}
+        assert route == original
