@@ -42,7 +42,6 @@ FIELD_CLASSES: dict[str, str] = {
     "server.tokenizer_threads": RELOAD,  # TokenizerService.resize
     "server.tokenizer_cache_entries": RELOAD,  # TokenizerService.resize
     "server.tokenizer_cache_dir": RELOAD,  # every tokenizer is loaded again from it
-    "server.max_buffered_response_bytes": RELOAD,
     "server.decision_timeout_s": RELOAD,
     "server.cut_request_charge": RELOAD,
     "server.grpc_max_message_bytes": RESTART,  # gRPC server options at start

@@ -43,8 +43,6 @@ class ServerConfig(_Strict):
     tokenizer_threads: int = Field(default=2, ge=1, le=64)
     tokenizer_cache_entries: int = Field(default=4096, ge=0)
     tokenizer_cache_dir: str = "var/tokenizers"
-    # The biggest response body kvgate keeps to read `usage` from a non-streamed answer.
-    max_buffered_response_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     # Every admission decision is answered within this, with kvgate's own OpenAI-shaped
     # error when it cannot finish in time: keep it below Envoy's ext_proc message_timeout
     # (2 s in the shipped configs), or Envoy answers an empty 504 first.

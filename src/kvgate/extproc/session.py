@@ -12,6 +12,7 @@ import enum
 import functools
 import json
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -358,7 +359,7 @@ class StreamSession:
             request = parse_request(self._path, body)
         self._request = request
         admitted = await AdmissionPlanner(self._svc, self._snapshot).admit(
-            request, self._tenant_policy, self.request_id
+            request, self._tenant_policy, _admission_id(self.request_id)
         )
         self.reservation = admitted.reservation
         self._route = admitted.route
@@ -630,6 +631,13 @@ class StreamSession:
         if self._prompt_tokens:
             meta["prompt_tokens"] = self._prompt_tokens
         return meta
+
+
+def _admission_id(request_id: str) -> str:
+    """The store's key for this admission: unique per stream. x-request-id alone is not:
+    a client may send its own (Envoy keeps it), and reservations, billing records and
+    abandon tombstones must never be shared between two requests."""
+    return f"{request_id}/{secrets.token_hex(8)}"
 
 
 def _reason_for(error: ApiError) -> Reason:
