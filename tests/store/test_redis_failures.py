@@ -98,7 +98,11 @@ def durable_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def fallback_store(
-    server: RedisServer, policy: FailurePolicy, events: _Recorder, max_pending: int = 100
+    server: RedisServer,
+    policy: FailurePolicy,
+    events: _Recorder,
+    max_pending: int = 100,
+    probe_s: float = PROBE_S,
 ) -> FallbackStore:
     shared = RedisStore.from_settings(
         RedisSettings(url=server.url, key_prefix="fail", timeout_s=TIMEOUT_S),
@@ -109,7 +113,7 @@ def fallback_store(
         MemoryStore(lease_ttl_s=60),
         policy=policy,
         retry_after_s=3,
-        probe_interval_s=PROBE_S,
+        probe_interval_s=probe_s,
         max_pending=max_pending,
         events=events,
     )
@@ -417,4 +421,33 @@ async def test_a_settlement_redelivered_after_any_window_is_booked_once(
         assert await store.usage_totals() == {("t", "m"): UsageTotals(2, 20, 8, 0, 10)}
     finally:
         server.resume()
+        await store.close()
+
+
+async def test_an_abandon_that_cannot_reach_redis_is_done_on_recovery(
+    durable_server: RedisServer, events: _Recorder
+) -> None:
+    """Issue 9, hole 7: the compensating release survives the outage that caused it (a
+    durable Redis is killed, and keeps the lease across its restart)."""
+    server = durable_server
+    # A slow probe: the test looks at Redis before the store recovers.
+    store = fallback_store(server, FailurePolicy.FAIL_CLOSED, events, probe_s=1.5)
+    shared = store._shared  # the Redis side, to look at
+    try:
+        held = await store.reserve(req(1), BACKEND, TENANT)
+        assert held.admitted
+        server.kill()
+        await store.abandon(req(1))  # cannot reach Redis
+        assert not store.available
+        server.start()
+        with server.client() as raw:
+            assert raw.hlen("{fail}:r|b") == 1  # Redis still holds it
+        await wait_for(lambda: store.available)
+        statuses = {s.name: s for s in await shared.backend_status()}
+        assert (statuses["b"].kv_tokens_in_flight, statuses["b"].requests_in_flight) == (0, 0)
+        # Both slots of the tenant are free again; the abandoned request stays out.
+        assert (await store.reserve(req(2), BACKEND, TENANT)).admitted
+        assert (await store.reserve(req(3), BACKEND, TENANT)).admitted
+        assert not (await store.reserve(req(1), BACKEND, TENANT)).admitted
+    finally:
         await store.close()
