@@ -100,3 +100,33 @@ async def test_renewed_lease_survives() -> None:
         assert await store.renew(decision.reservation)
     [status] = await store.backend_status()
     assert status.requests_in_flight == 1
+
+
+async def test_lapsed_bills_and_tombstones_are_forgotten() -> None:
+    """Billing records and tombstones do not accumulate: a sweep drops the lapsed ones (in
+    lapsing order, a renewal moving a record to the back)."""
+    clock = ManualClock()
+    store = MemoryStore(lease_ttl_s=10, clock=clock, bill_retention_s=100, abandon_retention_s=50)
+    held = []
+    for n in range(5):
+        request = AdmissionRequest(f"r{n}", "t", "m", "b", prompt_tokens=1, max_new_tokens=1)
+        decision = await store.reserve(request, LIMITS, TENANT)
+        assert decision.reservation is not None
+        held.append(decision.reservation)
+    await store.abandon(held[4].request)
+    clock.advance(60)
+    assert not await store.renew(held[0])  # lease lost, bill kept: lapses at 160
+    await store.backend_status()  # sweeps: the tombstone ended at 50
+    assert (await store.reserve(held[4].request, LIMITS, TENANT)).admitted
+    clock.advance(50)  # 110: the bills of r1..r3 lapsed at 100, not r0's, nor the new r4's
+    await store.backend_status()
+    settled = [
+        (
+            await store.settle(
+                r, SettleCause.COMPLETED, ActualUsage(1, 1), cost_pico=0, tenant=TENANT
+            )
+        ).applied
+        for r in held[:4]
+    ]
+    assert settled == [True, False, False, False]
+    assert len(store._bills) == 1 and not store._abandoned  # only the new r4's record

@@ -57,6 +57,8 @@ class MemoryStore:
         # Billing records: reservation id -> (the reservation, when the record lapses). A
         # record outlives its lease (an expired request is still billed) and is consumed by
         # the first settlement, which makes settling idempotent for as long as it can matter.
+        # Kept in lapsing order (a refresh moves it to the end), as are the tombstones, so a
+        # sweep stops at the first one still valid.
         self._bills: dict[str, tuple[Reservation, float]] = {}
         self._bill_retention_s = max(bill_retention_s, lease_ttl_s)
         # (tenant, request id) -> reservation id, for abandon(); and abandoned requests ->
@@ -97,12 +99,20 @@ class MemoryStore:
                 self._release_tenant_hold(reservation, now)
                 if self._on_lease_expired is not None:
                     self._on_lease_expired(reservation)
-        for reservation_id, (reservation, lapses_at) in list(self._bills.items()):
-            if lapses_at <= now:
-                self._drop_bill(reservation_id, reservation)
-        for key, until in list(self._abandoned.items()):
-            if until <= now:
-                del self._abandoned[key]
+        lapsed: list[tuple[str, Reservation]] = []
+        for reservation_id, (reservation, lapses_at) in self._bills.items():
+            if lapses_at > now:
+                break
+            lapsed.append((reservation_id, reservation))
+        for reservation_id, reservation in lapsed:
+            self._drop_bill(reservation_id, reservation)
+        ended: list[tuple[str, str]] = []
+        for key, until in self._abandoned.items():
+            if until > now:
+                break
+            ended.append(key)
+        for key in ended:
+            del self._abandoned[key]
 
     def _drop_bill(self, reservation_id: str, reservation: Reservation) -> None:
         self._bills.pop(reservation_id, None)
@@ -214,6 +224,7 @@ class MemoryStore:
         bill = self._bills.get(reservation.reservation_id)
         if bill is not None:
             # While anyone renews, the request is open: keep its bill however long it runs.
+            del self._bills[reservation.reservation_id]
             self._bills[reservation.reservation_id] = (bill[0], now + self._bill_retention_s)
         backend = self._backends.get(reservation.request.backend)
         if backend is None:
@@ -225,6 +236,7 @@ class MemoryStore:
             return  # nothing identifies it: its lease expires on its own
         now = self._clock.now()
         key = (request.tenant, request.request_id)
+        self._abandoned.pop(key, None)
         self._abandoned[key] = now + self._abandon_retention_s
         reservation_id = self._by_request.pop(key, None)
         if reservation_id is None:
