@@ -427,6 +427,10 @@ class FallbackStore:
             self._recovery.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._recovery
+        if self._up and self._orphans:
+            # Last chance to release reserves whose outcome was lost (else they expire).
+            with contextlib.suppress(StoreUnavailable):
+                await self._abandon_orphans()
         if self._pending:
             # Last chance for queued settlements; what stays queued is reported lost.
             with contextlib.suppress(StoreUnavailable):
