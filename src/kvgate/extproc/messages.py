@@ -57,10 +57,13 @@ def continue_request_headers(
     skip_rest: bool = False,
 ) -> pb.ProcessingResponse:
     """CONTINUE after request headers; `skip_rest` stops the body and response phases
-    for this stream (requests kvgate only authenticates)."""
+    for this stream (requests kvgate only authenticates) and re-matches the route on the
+    headers just set (Envoy routes pass-through requests only on kvgate's header)."""
     response = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=header_mutation(set_headers, remove))
+            response=pb.CommonResponse(
+                header_mutation=header_mutation(set_headers, remove), clear_route_cache=skip_rest
+            )
         )
     )
     if skip_rest:
