@@ -211,9 +211,11 @@ class FallbackStore:
                 )
 
     async def _abandon_orphans(self) -> None:
-        for key, request in list(self._orphans.items()):
+        # Until none is left: entries added meanwhile (an abandon during recovery) too.
+        while self._orphans:
+            key, request = next(iter(self._orphans.items()))
             await self._shared.abandon(request)
-            # A newer entry for the same request (abandoned meanwhile) is equivalent.
+            # A newer entry for the same request (abandoned meanwhile) is covered by this one.
             self._orphans.pop(key, None)
 
     def _orphan(self, request: AdmissionRequest) -> None:
