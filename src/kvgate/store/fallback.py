@@ -287,9 +287,10 @@ class FallbackStore:
         self._events.fallback_decision(decision.admitted)
         if decision.reservation is not None:
             self._local_ids.add(decision.reservation.reservation_id)
-            self._local_by_request[(request.tenant, request.request_id)] = (
-                decision.reservation.reservation_id
-            )
+            if request.request_id:
+                self._local_by_request[(request.tenant, request.request_id)] = (
+                    decision.reservation.reservation_id
+                )
         return decision
 
     async def precheck(
@@ -363,6 +364,8 @@ class FallbackStore:
             return True
 
     async def abandon(self, request: AdmissionRequest) -> None:
+        if not request.request_id:
+            return  # nothing identifies it: its lease expires on its own
         key = (request.tenant, request.request_id)
         local_id = self._local_by_request.pop(key, None)
         if local_id is not None:
