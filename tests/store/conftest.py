@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from kvgate.policy import ManualClock
-from kvgate.store import MemoryStore, StateStore
+from kvgate.store import FailurePolicy, FallbackStore, MemoryStore, StateStore
 from kvgate.store.base import ExpiredLeaseHook
 from kvgate.store.redis_store import RedisStore
 from tests.e2e.redis_harness import RedisClusterNodes
@@ -45,7 +45,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield nodes
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "fallback"])
 async def make_store(
     request: pytest.FixtureRequest, clock: ManualClock
 ) -> AsyncIterator[StoreFactory]:
@@ -53,9 +53,11 @@ async def make_store(
     store on `clock`.
 
     "redis-cluster" runs the same store on a real Redis Cluster (the key prefix, hence the
-    slot and the node, differs per test)."""
+    slot and the node, differs per test). "fallback" is the Redis store behind the failure
+    policy (FallbackStore, fail_open), as kvgate runs it, while Redis answers."""
     clients: list[aioredis.Redis | RedisCluster] = []
     tags: list[str] = []
+    fallbacks: list[FallbackStore] = []
     cluster_url = (
         request.getfixturevalue("redis_cluster").url if request.param == "redis-cluster" else None
     )
@@ -90,9 +92,16 @@ async def make_store(
         )
         clients.append(client)
         tags.append(store.key_tag)
+        if request.param == "fallback":
+            local = MemoryStore(lease_ttl_s=lease_ttl_s, clock=clock, **extra)
+            fallback = FallbackStore(store, local, policy=FailurePolicy.FAIL_OPEN)
+            fallbacks.append(fallback)
+            return fallback
         return store
 
     yield factory
+    for fallback in fallbacks:
+        assert fallback.available  # Redis answered every call: nothing was decided locally
     for client, tag in zip(clients, tags, strict=True):
         await delete_prefix(client, tag)
         await client.aclose()

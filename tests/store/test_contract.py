@@ -1,6 +1,7 @@
-"""The store contract: one behavioural suite, run against the memory store and the Redis store.
+"""The store contract: one behavioural suite, run against every store.
 
-Every test takes `make_store` (tests/store/conftest.py), parametrized over both stores, and a
+Every test takes `make_store` (tests/store/conftest.py), parametrized over the memory store,
+the Redis store (standalone and a real Cluster) and the FallbackStore over Redis, and a
 ManualClock shared by the store and the test.
 """
 
