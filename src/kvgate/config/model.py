@@ -312,9 +312,11 @@ class RedisConfig(_Strict):
     probe_interval_s: float = Field(default=1.0, gt=0)
     # Settlements waiting for Redis to come back; past this the oldest are dropped (reported).
     max_pending_settlements: int = Field(default=10_000, ge=1)
-    # Settled reservation ids are kept this long so a settlement retried after a timeout is
-    # applied once (about 100 bytes each in Redis: rate x retention).
-    settled_id_retention_s: float = Field(default=600.0, ge=1)
+    # Settlements of requests admitted by the fallback (fail_open) while Redis was down are
+    # delivered when it returns; their ids are kept this long so each is booked once. Must
+    # outlast the longest outage (about 100 bytes each in Redis: rate x retention).
+    # Settlements of Redis leases need no window: their billing record is consumed once.
+    settled_id_retention_s: float = Field(default=86_400.0, ge=1)
     # Redis calls in flight at once per replica (and connections per Redis node).
     max_connections: int = Field(default=64, ge=1, le=10_000)
     # The URL is one node of a Redis Cluster.

@@ -131,6 +131,8 @@ class GatewayServices:
         if not settlement.applied:
             return
         m = self.metrics
+        if settlement.lease_expired:
+            m.late_settlements.labels(request.backend).inc()
         m.settlements.labels(request.backend, cause.value).inc()
         m.prompt_tokens.labels(request.tenant, request.model).inc(usage.prompt_tokens)
         m.output_tokens.labels(request.tenant, request.model).inc(usage.output_tokens)

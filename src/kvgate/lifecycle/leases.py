@@ -53,6 +53,7 @@ class LeaseKeeper:
 
     async def _renew_until_released(self, reservation: Reservation) -> None:
         renewals = self._metrics.lease_renewals
+        lost = False
         while True:
             await asyncio.sleep(self._interval_s())
             try:
@@ -71,14 +72,16 @@ class LeaseKeeper:
             if held:
                 renewals.labels("renewed").inc()
                 continue
-            # The store let the lease go (it expired): its capacity is already free. The
-            # request is still charged when it settles; nothing more to renew.
-            renewals.labels("lost").inc()
-            log.warning(
-                "lease lost while the request was open",
-                extra={
-                    "reservation_id": reservation.reservation_id,
-                    "backend": reservation.request.backend,
-                },
-            )
-            return
+            if not lost:
+                # The store let the lease go (it expired): its capacity is already free. The
+                # request is still charged when it settles, from its billing record, which
+                # every renewal keeps alive: so go on renewing while the request is open.
+                lost = True
+                renewals.labels("lost").inc()
+                log.warning(
+                    "lease lost while the request was open",
+                    extra={
+                        "reservation_id": reservation.reservation_id,
+                        "backend": reservation.request.backend,
+                    },
+                )

@@ -108,6 +108,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.late_settlements = Counter(
+            "kvgate_late_settlements",
+            "Settlements of requests whose lease had expired before they ended (capacity "
+            "already freed; charged from the request's billing record).",
+            ["backend"],
+            registry=r,
+        )
         self.unmetered_settlements = Counter(
             "kvgate_unmetered_settlements",
             "Completed requests whose usage could not be read from the answer: charged the "
