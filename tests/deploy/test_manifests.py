@@ -1051,7 +1051,8 @@ def test_envoy_gateway_edge() -> None:
     assert traffic["spec"]["clientIPDetection"] == {"xForwardedFor": {"numTrustedHops": 0}}
     removed = set(traffic["spec"]["headers"]["earlyRequestHeaders"]["remove"])
     assert set(ENVOY_CONTROL_HEADERS) <= removed
-    assert not objects(EG_POLICY, "BackendTrafficPolicy"), "no retry policy for generations"
+    for policy in objects(EG_POLICY, "BackendTrafficPolicy"):
+        assert "retry" not in policy["spec"], "no retry policy for generations"
     route = one(EG_POLICY, "HTTPRoute", "llm")
     guard = None
     for rule in route["spec"]["rules"]:
@@ -1074,6 +1075,83 @@ def test_envoy_gateway_edge() -> None:
     assert response["contentType"] == "application/json"
     assert response["body"]["type"] == "Inline"
     assert json.loads(response["body"]["inline"]) == NOT_ADMITTED
+
+
+# --------------------------------------------------------------------------- local replies
+# Envoy's own local replies become OpenAI-shaped JSON; kvgate's ImmediateResponses (details
+# kvgate_*) and the not_admitted direct response (details direct_response) are left alone.
+# tests/e2e/test_local_replies.py runs the real Envoy on envoy/envoy.yaml's mappers.
+
+KVGATE_EXCLUDED = "!response.code_details.startsWith('kvgate_')"
+DIRECT_RESPONSE_EXCLUDED = "response.code_details != 'direct_response'"
+
+
+def check_local_reply_config(config: dict[str, Any], where: str) -> None:
+    assert "body_format" not in config, f"{where}: a top-level body_format would touch every reply"
+    assert config["mappers"], where
+    for mapper in config["mappers"]:
+        extension = mapper["filter"]["extension_filter"]
+        assert extension["name"] == "envoy.access_loggers.extension_filters.cel", where
+        expression = extension["typed_config"]["expression"]
+        assert KVGATE_EXCLUDED in expression, f"{where}: {expression} may rewrite kvgate's replies"
+        assert DIRECT_RESPONSE_EXCLUDED in expression, f"{where}: {expression}"
+        assert "status_code" not in mapper and "body" not in mapper, where
+        first_code = int(re.search(r"response\.code (?:==|>=) (\d{3})", expression)[1])  # type: ignore[index]
+        body = mapper["body_format_override"]
+        assert body["content_type"] == "application/json", where
+        error = body["json_format"]["error"]
+        assert set(error) == {"message", "type", "param", "code"}, where
+        assert error["param"] is None and error["message"] and error["code"], where
+        expected_type = "invalid_request_error" if first_code < 500 else "server_error"
+        assert error["type"] == expected_type, f"{where}: {expression}"
+    # The codes that matter most each have their own mapper, in this order of precedence.
+    codes = [
+        mapper["body_format_override"]["json_format"]["error"]["code"]
+        for mapper in config["mappers"]
+    ]
+    for code in ("payload_too_large", "upstream_unavailable", "gateway_timeout", "upstream_error"):
+        assert code in codes, f"{where}: no mapper for {code}"
+    assert codes[-1] == "gateway_error", f"{where}: the last mapper catches every other 5xx"
+
+
+def test_reference_local_reply_config() -> None:
+    check_local_reply_config(ingress_hcm(envoy_reference())["local_reply_config"], "envoy.yaml")
+
+
+@pytest.mark.parametrize("name", sorted(shipped_bootstraps()))
+def test_bootstrap_local_replies(name: str) -> None:
+    """Every shipped bootstrap has envoy/envoy.yaml's mappers on its ingress HCM."""
+    hcm = ingress_hcm(shipped_bootstraps()[name])
+    reference = ingress_hcm(envoy_reference())["local_reply_config"]
+    assert hcm["local_reply_config"] == reference, name
+
+
+@pytest.mark.parametrize("path", ISTIO_FILTERS, ids=rel)
+def test_istio_merges_the_local_replies(path: Path) -> None:
+    merged = _network_patch(path)["local_reply_config"]
+    assert merged == ingress_hcm(envoy_reference())["local_reply_config"], rel(path)
+
+
+def test_envoy_gateway_local_replies() -> None:
+    """responseOverride matches on status alone: only codes kvgate never answers itself
+    (its 503 / 500 / 4xx bodies must pass unchanged)."""
+    (policy,) = [
+        p for p in objects(EG_POLICY, "BackendTrafficPolicy") if "responseOverride" in p["spec"]
+    ]
+    for target in policy["spec"]["targetRefs"]:
+        one(EG_POLICY, target["kind"], target["name"])
+    seen = set()
+    for rule in policy["spec"]["responseOverride"]:
+        statuses = {c["value"] for c in rule["match"]["statusCodes"] if c["type"] == "Value"}
+        assert all(c["type"] == "Value" for c in rule["match"]["statusCodes"])
+        assert statuses <= {413, 502, 504}, statuses
+        seen |= statuses
+        response = rule["response"]
+        assert response["contentType"] == "application/json"
+        error = json.loads(response["body"]["inline"])["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] is None
+        assert error["type"] == ("invalid_request_error" if min(statuses) < 500 else "server_error")
+    assert seen == {413, 502, 504}
 
 
 # --------------------------------------------------------------------------- PromQL names

@@ -121,6 +121,7 @@ def test_rendered_config_keeps_the_edge(config: Path, tmp_path: Path) -> None:
     and the client-header settings; only the pass-through route follows the backend."""
     from tests.deploy.test_manifests import (
         check_guard_routes,
+        check_local_reply_config,
         ingress_hcm,
         removed_prefixes,
     )
@@ -140,6 +141,9 @@ def test_rendered_config_keeps_the_edge(config: Path, tmp_path: Path) -> None:
     for key in ("use_remote_address", "xff_num_trusted_hops", "internal_address_config"):
         assert hcm[key] == shipped_hcm[key], key
     assert removed_prefixes(hcm) == removed_prefixes(shipped_hcm) >= {"x-kvgate-", "x-envoy-"}
+    # Envoy's own local replies as OpenAI JSON, kvgate's replies untouched.
+    assert hcm["local_reply_config"] == shipped_hcm["local_reply_config"]
+    check_local_reply_config(hcm["local_reply_config"], str(config))
     (vhost,) = hcm["route_config"]["virtual_hosts"]
     check_guard_routes(vhost["routes"], str(dst))
     (shipped_vhost,) = shipped_hcm["route_config"]["virtual_hosts"]
