@@ -200,16 +200,7 @@ class StreamSession:
     def _internal_error_reply(self, kind: str | None) -> pb.ProcessingResponse:
         if kind in ("request_headers", "request_body") and self.reservation is None:
             self.phase = Phase.REJECTED
-            return self._reject(
-                ApiError(
-                    status=500,
-                    message="kvgate could not process this request.",
-                    type="server_error",
-                    code="internal_error",
-                    param=None,
-                ),
-                Reason.INTERNAL_ERROR,
-            )
+            return self._reject(api_errors.internal_error(), Reason.INTERNAL_ERROR)
         # Once forwarded, never break the client's stream: pass the chunk through unchanged.
         if kind == "response_headers":
             return messages.continue_response_headers()
@@ -288,13 +279,7 @@ class StreamSession:
             # admitting on it would let the rest through unmetered. A deployment error.
             log.error("ext_proc request_body_mode must be BUFFERED for metered paths")
             return self._reject(
-                ApiError(
-                    status=500,
-                    message="kvgate is misconfigured: it cannot meter this request.",
-                    type="server_error",
-                    code="internal_error",
-                    param=None,
-                ),
+                api_errors.internal_error("kvgate is misconfigured: it cannot meter this request."),
                 Reason.INTERNAL_ERROR,
             )
         self.phase = Phase.REQUEST_BODY

@@ -273,3 +273,8 @@ def service_unavailable(
     return ApiError(
         503, message, "server_error", "service_unavailable", None, _retry_headers(retry_after_s)
     )
+
+
+def internal_error(message: str = "kvgate could not process this request.") -> ApiError:
+    """500: a fault in kvgate or its deployment, not in the request."""
+    return ApiError(500, message, "server_error", "internal_error", None)
