@@ -52,6 +52,7 @@ def req(
     backend: BackendLimits = B,
     cost: int = 0,
     rid: str = "r",
+    slot_taken: bool = False,
 ) -> AdmissionRequest:
     return AdmissionRequest(
         request_id=rid,
@@ -61,6 +62,7 @@ def req(
         prompt_tokens=prompt,
         max_new_tokens=max_new,
         cost_pico=cost,
+        request_slot_taken=slot_taken,
     )
 
 
@@ -344,6 +346,126 @@ async def test_the_longest_wait_is_reported(make_store: StoreFactory) -> None:
     await admitted(store, req(1, 1, tenant="v", backend=HUGE), broke, HUGE)
     never = await reserve(store, req(1, 1, tenant="v", cost=6, backend=HUGE), broke, HUGE)
     assert never.reason is Reason.BUDGET_EXCEEDED and never.retry_after_s is None
+
+
+# ---------------------------------------------------------------- the pre-check's RPM slot
+
+
+async def precheck(
+    store: StateStore, request: AdmissionRequest, policy: TenantPolicy, *, take: bool = True
+) -> Decision | None:
+    return await store.precheck(request, KNOWN[request.backend], policy, take_request_slot=take)
+
+
+def remaining_requests(decision: Decision) -> int | None:
+    assert decision.rate_limits is not None
+    return decision.rate_limits.remaining_requests
+
+
+async def test_a_passing_precheck_takes_one_request_from_every_rpm_scope(
+    make_store: StoreFactory,
+) -> None:
+    """Issue 9, hole 6: the RPM slot is taken before the prompt is tokenized."""
+    store = make_store()
+    policy = tenant(
+        limits=ScopeLimits(rpm=rpm(3)),
+        model_limits=MappingProxyType({"m": ScopeLimits(rpm=rpm(1))}),
+    )
+    assert await precheck(store, req(1, 10, rid="a"), policy) is None
+    # The model's bucket (1) is empty now: the next request for it is refused up front.
+    refused = await precheck(store, req(1, 10, rid="b"), policy)
+    assert refused is not None and refused.reason is Reason.RPM_EXCEEDED
+    assert refused.violations[0].limit == "model:rpm"
+    assert refused.retry_after_s == pytest.approx(60.0)
+    assert remaining_requests(refused) == 2  # tenant-wide: exactly one taken
+    # The reserve of the request that took its slot takes no other, in neither scope.
+    held = await reserve(store, req(50, 50, rid="a", slot_taken=True), policy)
+    assert held.admitted and remaining_requests(held) == 2
+    assert not any(v.reason is Reason.RPM_EXCEEDED for v in held.violations)
+    # Another model only meets the tenant-wide bucket: 2 left, then 1.
+    assert await precheck(store, req(1, 10, model="o", rid="c"), policy) is None
+    other = await reserve(store, req(50, 50, model="o", rid="c", slot_taken=True), policy)
+    assert other.admitted and remaining_requests(other) == 1
+
+
+async def test_a_rejecting_precheck_takes_nothing(
+    make_store: StoreFactory, clock: ManualClock
+) -> None:
+    store = make_store()
+    policy = tenant(limits=ScopeLimits(rpm=rpm(2), concurrency=ConcurrencyRule(1)))
+    held = await admitted(store, req(10, 10, rid="held"), policy)  # 1 request left
+    for _ in range(3):
+        busy = await precheck(store, req(1, 10, rid="busy"), policy)
+        assert busy is not None and busy.reason is Reason.CONCURRENCY_EXCEEDED
+        assert remaining_requests(busy) == 1
+    assert await settle(store, held, policy=policy)
+    assert await precheck(store, req(1, 10, rid="next"), policy) is None  # the last one
+    over = await precheck(store, req(1, 10, rid="over"), policy)
+    assert over is not None and over.reason is Reason.RPM_EXCEEDED
+    assert over.retry_after_s == pytest.approx(30.0)  # 1 request refills in 60/2 s
+    clock.advance(29)
+    again = await precheck(store, req(1, 10, rid="over"), policy)
+    assert again is not None and again.retry_after_s == pytest.approx(1.0)  # took nothing
+    clock.advance(1)
+    assert await precheck(store, req(1, 10, rid="over"), policy) is None
+
+
+async def test_precheck_without_taking_changes_nothing(make_store: StoreFactory) -> None:
+    store = make_store()
+    policy = tenant(limits=ScopeLimits(rpm=rpm(2)))
+    for _ in range(3):
+        assert await precheck(store, req(1, 10), policy, take=False) is None
+    first = await reserve(store, req(10, 10, rid="a"), policy)
+    assert first.admitted and remaining_requests(first) == 1
+    # A reserve without the flag checks and takes RPM as before.
+    assert (await reserve(store, req(10, 10, rid="b"), policy)).admitted
+    assert (await reserve(store, req(10, 10, rid="c"), policy)).reason is Reason.RPM_EXCEEDED
+    # The flag on a lower bound whose slot was taken already takes nothing more.
+    assert await precheck(store, req(1, 10, rid="b", slot_taken=True), policy) is None
+    late = await reserve(store, req(10, 10, rid="d"), policy)
+    assert late.reason is Reason.RPM_EXCEEDED and late.retry_after_s == pytest.approx(30.0)
+
+
+async def test_a_refused_or_abandoned_reserve_keeps_the_precheck_slot(
+    make_store: StoreFactory,
+) -> None:
+    """The request was made: a refusal after the pre-check (here by TPM, once its size is
+    known) or an abandon does not give its request back; an abandon still gives back what
+    the reserve took (tokens, concurrency, money, KV)."""
+    store = make_store()
+    policy = tenant(
+        limits=ScopeLimits(rpm=rpm(3), tpm=tpm(1000, refill=1e-9), concurrency=ConcurrencyRule(1))
+    )
+    assert await precheck(store, req(1, 10, rid="big"), policy) is None
+    refused = await reserve(store, req(2000, 10, rid="big", slot_taken=True), policy)
+    assert refused.reason is Reason.REQUEST_EXCEEDS_TPM
+    assert remaining_requests(refused) == 2
+    assert await precheck(store, req(1, 10, rid="lost"), policy) is None
+    lost = req(400, 400, rid="lost", slot_taken=True)
+    taken = await reserve(store, lost, policy)
+    assert taken.admitted and remaining_requests(taken) == 1
+    await store.abandon(lost)
+    assert await in_flight(store) == (0, 0)
+    # Without the pre-check's slot, the reserve takes the last request itself.
+    full = await reserve(store, req(500, 500, rid="full"), policy)
+    assert full.admitted and remaining_requests(full) == 0
+    assert full.rate_limits is not None and full.rate_limits.remaining_tokens == 0
+
+
+async def test_shadow_rpm_at_the_precheck_never_refuses_and_is_reported(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
+    policy = tenant(limits=ScopeLimits(rpm=rpm(1, shadow=True)))
+    decisions = []
+    for rid in ("a", "b"):
+        assert await precheck(store, req(1, 10, rid=rid), policy) is None
+        decisions.append(await reserve(store, req(10, 10, rid=rid, slot_taken=True), policy))
+    assert all(d.admitted for d in decisions)
+    assert decisions[0].violations == ()
+    # The second request took from an empty bucket: the shadowed limit reports it.
+    assert [(v.reason, v.shadow) for v in decisions[1].violations] == [(Reason.RPM_EXCEEDED, True)]
+    assert remaining_requests(decisions[1]) == 0
 
 
 # ---------------------------------------------------------------- settlement and leases

@@ -1,10 +1,11 @@
 """The Redis store answers exactly as the memory store does: random runs, compared step by step.
 
-Both stores get the same random sequence of reservations, settlements (short, exact and
-overshooting answers; of live and of expired leases), lease renewals, abandoned reserves,
-limit reloads and clock moves, on one ManualClock.
-Every decision (reason, detail, Retry-After, violations, x-ratelimit-* view, budget left,
-reservation), every settlement, every expired lease and the final ledgers must be equal.
+Both stores get the same random sequence of reservations (half of them after a pre-check that
+takes the RPM request), settlements (short, exact and overshooting answers; of live and of
+expired leases), lease renewals, abandoned reserves, limit reloads and clock moves, on one
+ManualClock. Every decision and pre-check (reason, detail, Retry-After, violations,
+x-ratelimit-* view, budget left, reservation), every settlement, every expired lease and the
+final ledgers must be equal.
 """
 
 from __future__ import annotations
@@ -123,6 +124,22 @@ async def test_redis_store_matches_memory_store(seed: int) -> None:
                     choices=rng.choice([1, 1, 1, 2]),
                     cost_pico=rng.choice([0, rng.randint(1, 10**8), rng.randint(1, 10**17)]),
                 )
+                if rng.random() < 0.5:
+                    # The pre-check on a lower bound, taking the RPM request when it passes
+                    # (issue 9, hole 6); the reserve then says whether it was taken.
+                    bound = replace(
+                        request,
+                        prompt_tokens=1,
+                        cost_pico=request.cost_pico // rng.choice([1, 3]),
+                    )
+                    want_p = await memory.precheck(
+                        bound, backend, policies[tenant], take_request_slot=True
+                    )
+                    got_p = await redis_store.precheck(
+                        bound, backend, policies[tenant], take_request_slot=True
+                    )
+                    assert got_p == want_p, f"step {step}"
+                    request = replace(request, request_slot_taken=want_p is None)
                 want = await memory.reserve(request, backend, policies[tenant])
                 got = await redis_store.reserve(request, backend, policies[tenant])
                 assert comparable(got) == comparable(want), f"step {step}"

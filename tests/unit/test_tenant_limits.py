@@ -384,3 +384,63 @@ def test_precheck_rejects_only_what_the_full_check_would() -> None:
         )
         is None
     )
+
+
+def test_a_passing_precheck_can_take_the_request_slot() -> None:
+    """Issue 9, hole 6: the RPM request is taken by the pre-check, in every scope, and the
+    reserve that says so takes no other; an abandon gives back only what it took."""
+    from dataclasses import replace
+    from types import MappingProxyType
+
+    from kvgate.policy import precheck
+    from kvgate.policy import tenant as tenant_limits
+
+    rig = Rig(
+        TenantPolicy(
+            name="t",
+            limits=ScopeLimits(rpm=RateRule(BucketSpec(3, 3 / 60))),
+            model_limits=MappingProxyType({"m": ScopeLimits(rpm=RateRule(BucketSpec(2, 2 / 60)))}),
+        )
+    )
+
+    def check(request: AdmissionRequest, take: bool):
+        return precheck(
+            request,
+            backend=rig.backend,
+            policy=rig.policy,
+            state=rig.state,
+            now=rig.clock.now(),
+            wall=rig.clock.wall(),
+            take_request_slot=take,
+        )
+
+    def level(scope: str) -> float:
+        bucket = rig.state.scopes[scope].requests
+        assert bucket is not None
+        return bucket.available(rig.clock.now())
+
+    assert check(req(1, 10), take=False) is None  # changes nothing
+    assert (level(""), level("m")) == (3, 2)
+    assert check(req(1, 10), take=True) is None
+    assert (level(""), level("m")) == (2, 1)
+    taken = replace(req(50, 10), request_slot_taken=True)
+    decision = rig.admit(taken)
+    assert decision.admitted and decision.rate_limits is not None
+    assert decision.rate_limits.remaining_requests == 2
+    assert (level(""), level("m")) == (2, 1)
+    assert decision.reservation is not None and decision.reservation.hold is not None
+    assert not decision.reservation.hold.request_taken
+    tenant_limits.release(
+        rig.policy,
+        rig.state,
+        decision.reservation.hold,
+        used_tokens=0,
+        cost_pico=0,
+        now=rig.clock.now(),
+        refund_request=True,
+    )
+    assert (level(""), level("m")) == (2, 1)  # the pre-check's request stays taken
+    assert check(req(1, 10), take=True) is None
+    refused = check(req(1, 10), take=True)  # the model's bucket is empty
+    assert refused is not None and refused.reason is Reason.RPM_EXCEEDED
+    assert (level(""), level("m")) == (1, 0)

@@ -37,6 +37,10 @@ _SIZE_INDEPENDENT_REJECTIONS = frozenset(
     }
 )
 
+# A prompt at least this long (by its lower bound) that cannot fit is refused without
+# counting it; a shorter one is counted for an exact answer (counting it costs < 10 ms).
+_EARLY_REFUSAL_MIN_TOKENS = 8192
+
 FALLBACK_HEADER = "x-kvgate-fallback"
 CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
 
@@ -83,18 +87,24 @@ class AdmissionPlanner:
             raise AdmissionRejected(
                 api_errors.model_not_found(request.model), Reason.MODEL_NOT_FOUND
             )
-        await self._reject_early(request, tenant, route, request_id)
+        # Once the pre-check took the tenant's RPM request, no later step takes it again (the
+        # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
+        slot_taken = await self._reject_early(request, tenant, route, request_id, False)
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision = await self._reserve(request, tenant, sized, request_id)
+        decision = await self._reserve(request, tenant, sized, request_id, slot_taken)
         if decision.admitted:
             return self._admitted(decision, sized)
         if decision.reason is Reason.BUDGET_EXCEEDED:
             if tenant.budget_action is BudgetAction.CLAMP:
-                clamped = await self._clamp(request, tenant, sized, decision, request_id)
+                clamped = await self._clamp(
+                    request, tenant, sized, decision, request_id, slot_taken
+                )
                 if clamped is not None:
                     return clamped
             elif tenant.budget_action is BudgetAction.FALLBACK and tenant.fallback_model:
-                fallen = await self._fall_back(request, tenant, tenant.fallback_model, request_id)
+                fallen = await self._fall_back(
+                    request, tenant, tenant.fallback_model, request_id, slot_taken
+                )
                 if fallen is not None:
                     return fallen
         raise AdmissionRejected(_rejection_error(decision), decision.reason, decision)
@@ -102,18 +112,29 @@ class AdmissionPlanner:
     # ------------------------------------------------------------------ steps
 
     async def _reject_early(
-        self, request: ParsedRequest, tenant: TenantPolicy, route: ModelRoute, request_id: str
-    ) -> None:
+        self,
+        request: ParsedRequest,
+        tenant: TenantPolicy,
+        route: ModelRoute,
+        request_id: str,
+        slot_taken: bool,
+    ) -> bool:
         """Turn away a tenant that is over a limit before paying for tokenization: a 429
-        should cost far less than an admit."""
+        should cost far less than an admit. A pre-check that passes takes the tenant's RPM
+        request (unless `slot_taken`: an earlier pre-check of this request took it), so a
+        flood of large bodies is cut at RPM before any of it is tokenized.
+
+        Returns whether the request's RPM slot is taken now (its reserve must not take it)."""
         limits = self._backend_limits(route.backend)
         sequences = request.num_sequences
         max_new = request.max_new_tokens or 1
         bound = self._prompt_lower_bound(request, route.name)
-        if bound.longest + (request.max_new_tokens or 0) > route.max_context or (
-            bound.longest >= route.max_context
+        if bound.longest >= _EARLY_REFUSAL_MIN_TOKENS and (
+            bound.longest + (request.max_new_tokens or 0) > route.max_context
+            or bound.longest >= route.max_context
         ):
-            # Cannot fit whatever its exact count: refuse before paying for tokenizing.
+            # Cannot fit whatever its exact count: refuse before paying for tokenizing. (A
+            # small prompt is counted instead: that is cheap, and the answer is exact.)
             raise AdmissionRejected(
                 api_errors.context_length_exceeded(
                     bound.longest,
@@ -133,16 +154,24 @@ class AdmissionPlanner:
             max_new_tokens=max_new,
             choices=sequences,
             cost_pico=route.pricing.worst_case(bound.total, max_new * sequences),
+            request_slot_taken=slot_taken,
         )
         try:
-            early = await self._svc.store.precheck(lower_bound, limits, tenant)
+            early = await self._svc.store.precheck(
+                lower_bound, limits, tenant, take_request_slot=not slot_taken
+            )
         except StoreUnavailable:
-            return  # the full decision below answers with the store's failure policy
-        if early is None or early.reason not in _SIZE_INDEPENDENT_REJECTIONS:
+            # The full decision below answers with the store's failure policy, and takes
+            # the slot if none was taken (unknown here: counting it twice beats never).
+            return slot_taken
+        if early is None:
+            return True  # taken now, or before
+        if early.reason not in _SIZE_INDEPENDENT_REJECTIONS:
             # A token or money shortfall depends on the exact size: the full decision
             # answers it, so its Retry-After and message are those of the real request
-            # (a wait computed for a lower bound would be refused again).
-            return
+            # (a wait computed for a lower bound would be refused again). Nothing was
+            # taken: the reserve takes the slot.
+            return slot_taken
         self._svc.record_violations(tenant.name, early)
         raise AdmissionRejected(_rejection_error(early), early.reason, early)
 
@@ -232,7 +261,12 @@ class AdmissionPlanner:
             ) from None
 
     async def _reserve(
-        self, request: ParsedRequest, tenant: TenantPolicy, sized: _Sized, request_id: str
+        self,
+        request: ParsedRequest,
+        tenant: TenantPolicy,
+        sized: _Sized,
+        request_id: str,
+        slot_taken: bool,
     ) -> Decision:
         sequences = request.num_sequences
         admission = AdmissionRequest(
@@ -246,6 +280,8 @@ class AdmissionPlanner:
             cost_pico=sized.route.pricing.worst_case(
                 sized.prompt_tokens, sized.max_new_tokens * sequences
             ),
+            # A rejected reserve gives no slot back: the request was made (and counted).
+            request_slot_taken=slot_taken,
         )
         limits = self._backend_limits(sized.route.backend)
         store = self._svc.store
@@ -315,6 +351,7 @@ class AdmissionPlanner:
         sized: _Sized,
         decision: Decision,
         request_id: str,
+        slot_taken: bool,
     ) -> Admitted | None:
         """Lower max_tokens to what the remaining budget pays for; None if not even one
         token of answer fits."""
@@ -326,7 +363,7 @@ class AdmissionPlanner:
         if affordable < 1 or affordable >= sized.max_new_tokens:
             return None
         smaller = _Sized(sized.route, sized.prompt_tokens, affordable)
-        retry = await self._reserve(request, tenant, smaller, request_id)
+        retry = await self._reserve(request, tenant, smaller, request_id, slot_taken)
         if not retry.admitted:
             return None
         admitted = self._admitted(retry, smaller)
@@ -335,15 +372,22 @@ class AdmissionPlanner:
         return admitted
 
     async def _fall_back(
-        self, request: ParsedRequest, tenant: TenantPolicy, fallback: str, request_id: str
+        self,
+        request: ParsedRequest,
+        tenant: TenantPolicy,
+        fallback: str,
+        request_id: str,
+        slot_taken: bool,
     ) -> Admitted | None:
         route = self._snapshot.models.get(fallback)
         if route is None or route.name == request.model:
             return None
-        # The fallback model has its own tokenizer, context and prices: count again.
-        await self._reject_early(request, tenant, route, request_id)
+        # The fallback model has its own tokenizer, context and prices: count again. A slot
+        # taken for the requested model counts this request (the fallback model's own RPM
+        # scope, if any, is then not charged: the client asked for the first model).
+        slot_taken = await self._reject_early(request, tenant, route, request_id, slot_taken)
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision = await self._reserve(request, tenant, sized, request_id)
+        decision = await self._reserve(request, tenant, sized, request_id, slot_taken)
         if not decision.admitted:
             return None
         admitted = self._admitted(decision, sized)

@@ -73,6 +73,7 @@ def admit(
         cost_pico=request.cost_pico,
         now=now,
         wall=wall,
+        request_slot_taken=request.request_slot_taken,
     )
     budget_left = tenant_limits.budget_left_pico(policy, state, wall)
     candidates: list[tuple[Reason, float | None, str]] = [
@@ -95,6 +96,7 @@ def admit(
         cost_pico=request.cost_pico,
         now=now,
         wall=wall,
+        request_slot_taken=request.request_slot_taken,
     )
     reservation = backend.commit(request, reservation_id, now, lease_ttl_s, hold)
     return Decision(
@@ -115,13 +117,19 @@ def precheck(
     state: TenantState,
     now: float,
     wall: float,
+    take_request_slot: bool = False,
 ) -> Decision | None:
     """Reject early, before the prompt is tokenized, when a tenant limit fails even for the
     cheapest request this could be (`lower_bound`: one prompt token, the asked max_new).
 
     Every tenant check is monotonic in tokens and cost, so a violation found for the lower
     bound is a violation for the real request too: the answer is never wrong, only its
-    Retry-After may be shorter than the full check's. Changes nothing.
+    Retry-After may be shorter than the full check's.
+
+    With `take_request_slot`, a pre-check that finds nothing (None) takes the request from
+    the tenant's RPM buckets (every scope), so RPM bites before the prompt is tokenized; the
+    reserve then says `request_slot_taken`. A rejection takes nothing. Without it (or when
+    `lower_bound.request_slot_taken`: RPM was taken already) nothing is changed.
     """
     violations = tenant_limits.evaluate(
         policy,
@@ -131,6 +139,7 @@ def precheck(
         cost_pico=lower_bound.cost_pico,
         now=now,
         wall=wall,
+        request_slot_taken=lower_bound.request_slot_taken,
     )
     candidates = [
         (v.reason, _retry_after(v, backend, lower_bound.tenant, now), v.detail)
@@ -138,6 +147,8 @@ def precheck(
         if not v.shadow
     ]
     if not candidates:
+        if take_request_slot and not lower_bound.request_slot_taken:
+            tenant_limits.take_request_slot(policy, state, model=lower_bound.model, now=now)
         return None
     budget_left = tenant_limits.budget_left_pico(policy, state, wall)
     return _rejection(candidates, violations, policy, state, now, budget_left)

@@ -92,6 +92,9 @@ class TenantHold:
     cost_pico: int
     period_keys: tuple[tuple[Period, str], ...]
     concurrency_scopes: tuple[str, ...]
+    # This reservation took the RPM request (False: the pre-check took it), so an abandon
+    # gives back only what the reserve took.
+    request_taken: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,14 +157,19 @@ def evaluate(
     cost_pico: int,
     now: float,
     wall: float,
+    request_slot_taken: bool = False,
 ) -> list[Violation]:
-    """Every limit this request would break, enforced and shadowed. Changes nothing."""
+    """Every limit this request would break, enforced and shadowed. Changes nothing.
+
+    `request_slot_taken`: its RPM request was taken already (by the pre-check), so RPM is
+    broken only by a debt: a shadowed rule that let the pre-check take from an empty bucket
+    (still reported here; an enforced bucket never goes below zero)."""
     violations: list[Violation] = []
     for scope_key, limits in policy.scopes(model):
         scope = state.scope(scope_key, limits, now)
         where = "" if scope_key == TENANT_SCOPE else f" for model '{scope_key}'"
         if limits.rpm is not None and scope.requests is not None:
-            wait = scope.requests.wait_for(1, now)
+            wait = scope.requests.wait_for(0 if request_slot_taken else 1, now)
             if wait > 0:
                 violations.append(
                     Violation(
@@ -255,12 +263,14 @@ def apply(
     cost_pico: int,
     now: float,
     wall: float,
+    request_slot_taken: bool = False,
 ) -> TenantHold:
-    """Reserve on every limit (call only after `evaluate` found nothing enforced)."""
+    """Reserve on every limit (call only after `evaluate` found nothing enforced); the RPM
+    request only if the pre-check did not take it (`request_slot_taken`)."""
     concurrency_scopes: list[str] = []
     for scope_key, limits in policy.scopes(model):
         scope = state.scope(scope_key, limits, now)
-        if scope.requests is not None:
+        if scope.requests is not None and not request_slot_taken:
             scope.requests.take(1, now)
         if scope.tokens is not None:
             scope.tokens.take(tokens, now)
@@ -276,7 +286,17 @@ def apply(
         cost_pico=cost_pico,
         period_keys=keys,
         concurrency_scopes=tuple(concurrency_scopes),
+        request_taken=not request_slot_taken,
     )
+
+
+def take_request_slot(policy: TenantPolicy, state: TenantState, *, model: str, now: float) -> None:
+    """Take one request from every RPM bucket of the request's scopes (tenant-wide and the
+    model's), shadowed ones too: the pre-check's part of `apply`."""
+    for scope_key, limits in policy.scopes(model):
+        scope = state.scope(scope_key, limits, now)
+        if scope.requests is not None:
+            scope.requests.take(1, now)
 
 
 def release(
@@ -291,14 +311,15 @@ def release(
 ) -> None:
     """Settle: refund unused tokens (or charge the overshoot), free the slot, book the cost.
 
-    `refund_request`: also give the RPM request back (an abandoned reserve: nothing was
-    served, so nothing at all is kept)."""
+    `refund_request`: also give the RPM request back if this reservation took it (an
+    abandoned reserve: nothing was served, so nothing the reserve took is kept). One taken
+    by the pre-check stays taken: the request was made, before any expensive work."""
     limits_by_scope = dict(policy.scopes(hold.model))
     for scope_key in hold.concurrency_scopes:
         limits = limits_by_scope.get(scope_key, ScopeLimits())
         scope = state.scope(scope_key, limits, now)
         scope.in_flight = max(0, scope.in_flight - 1)
-        if refund_request and scope.requests is not None:
+        if refund_request and hold.request_taken and scope.requests is not None:
             scope.requests.give_back(1, now)
         if scope.tokens is not None:
             scope.tokens.give_back(hold.tokens - used_tokens, now)

@@ -60,11 +60,21 @@ class StateStore(Protocol):
         ...
 
     async def precheck(
-        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+        self,
+        lower_bound: AdmissionRequest,
+        backend: BackendLimits,
+        tenant: TenantPolicy,
+        *,
+        take_request_slot: bool = False,
     ) -> Decision | None:
         """A rejection that holds for any request at least as large as `lower_bound`, found
         without tokenizing; None when nothing is sure (or the store cannot tell cheaply).
-        Changes nothing."""
+
+        Without `take_request_slot` it changes nothing. With it, a pre-check that answers None
+        has taken one request from the tenant's RPM buckets (tenant-wide and the model's
+        scope), in the same atomic step as the check: the caller's reserve then says
+        `request_slot_taken=True` and takes no RPM again. A rejection takes nothing. The slot
+        is kept whatever follows (a refusal, a cancel, an abandon): the request was made."""
         ...
 
     async def settle(
@@ -90,7 +100,8 @@ class StateStore(Protocol):
     async def abandon(self, request: AdmissionRequest) -> None:
         """Compensate a reserve() whose outcome the caller does not know (cancelled, timed
         out): release whatever it committed for `request.request_id` (KV, slots, the RPM and
-        TPM tokens and the budget hold it took; nothing is billed), and make a reserve() for
+        TPM tokens and the budget hold it took; nothing is billed; an RPM request taken by the
+        pre-check is not the reserve's and stays taken), and make a reserve() for
         that request that lands later commit nothing. Idempotent; harmless when nothing was
         committed. The (tenant, request id) pair must identify one admission."""
         ...

@@ -9,6 +9,9 @@
     Retry-After);
   - `fail_open`: `reserve` decides with the local store (the same limits, per replica), and
     every such decision is reported.
+- A pre-check that takes the tenant's RPM request goes to Redis like a reserve; while Redis is
+  down it raises `StoreUnavailable` (`fail_closed`) or is taken locally (`fail_open`), where
+  the reserve will be decided too.
 - Settlements never get lost on the way: a settlement of a Redis lease that cannot be
   delivered is queued, and so is the usage of every request admitted locally.
 - Nothing a live request holds in Redis is lost to an outage, and nothing an interrupted
@@ -294,10 +297,30 @@ class FallbackStore:
         return decision
 
     async def precheck(
-        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+        self,
+        lower_bound: AdmissionRequest,
+        backend: BackendLimits,
+        tenant: TenantPolicy,
+        *,
+        take_request_slot: bool = False,
     ) -> Decision | None:
-        # The shared store decides in one round trip; no cheaper early answer exists.
-        return None
+        if not take_request_slot:
+            return None  # the shared store's answer without a slot to take (no round trip)
+        if self._up:
+            try:
+                return await self._shared.precheck(
+                    lower_bound, backend, tenant, take_request_slot=True
+                )
+            except StoreUnavailable as exc:
+                # Taken or not is unknown: the caller lets its reserve take the request.
+                self._mark_down("precheck", exc)
+                raise
+        if self._policy is FailurePolicy.FAIL_CLOSED:
+            raise StoreUnavailable(
+                "the shared state store is unavailable", retry_after_s=self._retry_after_s
+            )
+        # fail_open: the local store decides the reserve, so it takes the request too.
+        return await self._local.precheck(lower_bound, backend, tenant, take_request_slot=True)
 
     async def settle(
         self,

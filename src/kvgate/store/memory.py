@@ -153,9 +153,18 @@ class MemoryStore:
         return decision
 
     async def precheck(
-        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+        self,
+        lower_bound: AdmissionRequest,
+        backend: BackendLimits,
+        tenant: TenantPolicy,
+        *,
+        take_request_slot: bool = False,
     ) -> Decision | None:
         now = self._clock.now()
+        # Expired leases must not count against the tenant's concurrency here either (a
+        # tenant refused at the pre-check may never reach a reserve, which sweeps).
+        self._sweep(now)
+        self._policies[tenant.name] = tenant
         return precheck(
             lower_bound,
             backend=self._backend(backend),
@@ -163,6 +172,7 @@ class MemoryStore:
             state=self._tenant(tenant.name),
             now=now,
             wall=self._clock.wall(),
+            take_request_slot=take_request_slot,
         )
 
     async def settle(

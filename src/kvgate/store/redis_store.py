@@ -2,8 +2,9 @@
 
 Several kvgate replicas pointed at one Redis enforce one set of limits. Each admission is one
 round trip (`reserve.lua`: sweep expired leases, check every limit, reserve on all of them or
-none) and so is each settlement (`settle.lua`). Time comes from Redis `TIME` inside the script,
-so replicas with skewed clocks agree; tests inject a clock instead.
+none) and so is each settlement (`settle.lua`); a pre-check that takes the tenant's RPM request
+before the prompt is tokenized (`precheck.lua`) is one more. Time comes from Redis `TIME`
+inside the script, so replicas with skewed clocks agree; tests inject a clock instead.
 
 The decision is taken by the script; the explanation (which limit, the message, Retry-After,
 the x-ratelimit-* view) is produced here by the policy's own `admit()` run over the exact state
@@ -52,6 +53,7 @@ from kvgate.policy import (
     UsageTotals,
     admit,
     period_key,
+    precheck,
 )
 from kvgate.policy.tenant import TENANT_SCOPE, ScopeState
 from kvgate.store.base import (
@@ -253,6 +255,7 @@ def _reservation_from_record(
         max_new_tokens=int(rec["x"]),
         choices=int(rec["c"]),
         cost_pico=int(rec["cost"]),
+        request_slot_taken=bool(rec.get("pre")),
     )
     hold = TenantHold(
         model=rec["m"],
@@ -260,6 +263,7 @@ def _reservation_from_record(
         cost_pico=int(rec["cost"]),
         period_keys=((Period.DAY, rec["dk"]), (Period.MONTH, rec["mk"])),
         concurrency_scopes=tuple(rec["sc"] or ()),
+        request_taken=not rec.get("pre"),
     )
     return Reservation(
         reservation_id=reservation_id,
@@ -333,6 +337,7 @@ class RedisStore:
         self._clock = clock
         self._on_lease_expired = on_lease_expired
         self._reserve = client.register_script(_script("reserve.lua"))
+        self._precheck = client.register_script(_script("precheck.lua"))
         self._settle = client.register_script(_script("settle.lua"))
         self._renew = client.register_script(_script("renew.lua"))
         self._abandon = client.register_script(_script("abandon.lua"))
@@ -434,6 +439,8 @@ class RedisStore:
                 "mc": backend.max_concurrent_requests,
                 "sc": [_rule(limits, key) for key, limits in scopes],
                 "bu": [[r.period.value, str(r.cap_pico), r.shadow] for r in tenant.budgets],
+                # The pre-check took the RPM request: not checked nor taken again.
+                "pre": request.request_slot_taken,
             },
             _policy_rules(tenant),
         )
@@ -465,10 +472,48 @@ class RedisStore:
         return decision
 
     async def precheck(
-        self, lower_bound: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
+        self,
+        lower_bound: AdmissionRequest,
+        backend: BackendLimits,
+        tenant: TenantPolicy,
+        *,
+        take_request_slot: bool = False,
     ) -> Decision | None:
-        # Every check is a round trip here: the full decision is one round trip anyway.
-        return None
+        if not take_request_slot or lower_bound.request_slot_taken:
+            # Nothing to take: a read-only check would be a round trip for an answer the
+            # reserve (one round trip too) gives anyway.
+            return None
+        scopes = tenant.scopes(lower_bound.model)
+        result = await self._run(
+            "precheck",
+            self._precheck,
+            {
+                "t": lower_bound.tenant,
+                "b": backend.name,
+                "tk": lower_bound.cost_tokens,
+                "cost": str(lower_bound.cost_pico),
+                "sc": [_rule(limits, key) for key, limits in scopes],
+                "bu": [[r.period.value, str(r.cap_pico), r.shadow] for r in tenant.budgets],
+            },
+        )
+        self._report_expired(result.get("exp"))
+        decision = precheck(
+            lower_bound,
+            backend=_BackendView(backend, result),
+            policy=tenant,
+            state=_tenant_state(scopes, result),
+            now=float(result["now"]),
+            wall=float(result["wall"]),
+            take_request_slot=True,
+        )
+        taken = bool(result["ok"])
+        if (decision is None) != taken:
+            raise StoreInconsistency(
+                f"precheck: the script {'took' if taken else 'refused'} request "
+                f"{lower_bound.request_id!r}, the policy says "
+                f"{'pass' if decision is None else decision.reason.value}"
+            )
+        return decision
 
     async def settle(
         self,

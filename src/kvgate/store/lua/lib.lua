@@ -238,7 +238,7 @@ local function last_limits(h)
   return limits
 end
 
--- `refund_request`: also give the RPM request back (abandon: nothing at all is kept).
+-- `refund_request`: also give the RPM request back if the reserve took it (abandon).
 local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now, refund_request)
   local h = tenant_key(P, rec.t)
   if not limits then
@@ -248,7 +248,8 @@ local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now, re
     local sc = scope_load(h, s)
     scope_sync(sc, limits[s] or {}, now)
     sc.n = math.max(0, sc.n - 1)
-    if refund_request and sc.r then
+    -- A request the pre-check took (rec.pre) stays taken: the request was made.
+    if refund_request and sc.r and not rec.pre then
       give_back(sc.r, 1, now)
     end
     if sc.t then
@@ -362,4 +363,103 @@ local function sweep(P, now, limit)
   end
   bill_sweep(P, now, limit)
   return out
+end
+
+-- ---------------------------------------------------------------- admission checks
+
+-- Check the tenant's limits for a request (policy/tenant.py evaluate): every scope's RPM
+-- (with `a.pre`, the pre-check took its request already: only a debt breaks it), TPM for
+-- `a.tk` tokens and
+-- concurrency, then the budgets for `a.cost`. Loads and syncs each scope (refilling exactly
+-- when the policy's code would) and records in `out` the state checked, before any refill:
+-- `sc` per scope, `sp`/`rs` money spent and reserved per period. Returns whether an enforced
+-- limit is broken, whether tenant concurrency is, the loaded scopes and the money as pairs.
+local function tenant_check(th, a, now, dk, mk, out)
+  local enforced, conc_hit = false, false
+  local scopes, snap = {}, {}
+  for i, lim in ipairs(a.sc) do
+    local sc = scope_load(th, lim.k)
+    scope_sync(sc, lim, now)
+    local s = { n = sc.n }
+    if sc.r then
+      s.r = { num(sc.r.level), num(sc.r.at) }
+      if wait_for(sc.r, a.pre and 0 or 1, now) > 0 and not lim.r[3] then
+        enforced = true
+      end
+    end
+    if sc.t then
+      s.t = { num(sc.t.level), num(sc.t.at) }
+      local over = a.tk > sc.t.cap
+      if (over or wait_for(sc.t, a.tk, now) > 0) and not lim.t[3] then
+        enforced = true
+      end
+    end
+    if lim.c and sc.n >= lim.c[1] and not lim.c[2] then
+      enforced = true
+      conc_hit = true
+    end
+    scopes[i] = sc
+    snap[i] = s
+  end
+  out.sc = snap
+
+  local m = {}
+  m.sp_dh, m.sp_dl = m_parse(redis.call('HGET', th, 'sp|' .. dk))
+  m.rs_dh, m.rs_dl = m_parse(redis.call('HGET', th, 'rs|' .. dk))
+  m.sp_mh, m.sp_ml = m_parse(redis.call('HGET', th, 'sp|' .. mk))
+  m.rs_mh, m.rs_ml = m_parse(redis.call('HGET', th, 'rs|' .. mk))
+  out.sp = { m_str(m.sp_dh, m.sp_dl), m_str(m.sp_mh, m.sp_ml) }
+  out.rs = { m_str(m.rs_dh, m.rs_dl), m_str(m.rs_mh, m.rs_ml) }
+  m.cost_h, m.cost_l = m_parse(a.cost)
+  for _, rule in ipairs(a.bu) do
+    if not rule[3] then
+      local cap_h, cap_l = m_parse(rule[2])
+      local lh, ll
+      if rule[1] == 'day' then
+        lh, ll = m_sub(cap_h, cap_l, m.sp_dh, m.sp_dl)
+        lh, ll = m_sub(lh, ll, m.rs_dh, m.rs_dl)
+      else
+        lh, ll = m_sub(cap_h, cap_l, m.sp_mh, m.sp_ml)
+        lh, ll = m_sub(lh, ll, m.rs_mh, m.rs_ml)
+      end
+      if m_gt(m.cost_h, m.cost_l, lh, ll) then
+        enforced = true
+      end
+    end
+  end
+  return enforced, conc_hit, scopes, m
+end
+
+-- When enough in-flight work finishes to free what is missing (policy/kv.py
+-- seconds_until_freed): in-flight requests in expected finishing order, from the learnt
+-- decode speed. `rk` the backend's leases, `bv` its HMGET kv, n, spot, otpr. Only computed
+-- for a rejection, so the walk costs nothing on admission. Leases finishing at the same
+-- moment are taken together: the answer is that moment either way, and plain numbers sort
+-- much faster than pairs.
+local function until_freed(rk, bv, now, kv_needed, slots_needed, tenant)
+  local spot, otpr = tonumber(bv[3]) or 0.02, tonumber(bv[4]) or 256.0
+  local expected_tokens = math.max(1.0, otpr)
+  local kv_at, n_at, times = {}, {}, {}
+  for _, raw in ipairs(redis.call('HVALS', rk)) do
+    local s, kv, x, t = string.match(raw, '^(%S+) (%d+) (%d+) ([^\n]*)')
+    if not tenant or t == tenant then
+      local at = tonumber(s) + math.min(tonumber(x), expected_tokens) * spot
+      if kv_at[at] then
+        kv_at[at], n_at[at] = kv_at[at] + tonumber(kv), n_at[at] + 1
+      else
+        kv_at[at], n_at[at] = tonumber(kv), 1
+        times[#times + 1] = at
+      end
+    end
+  end
+  table.sort(times)
+  local freed, slots, wait = 0, 0, 1.0
+  for _, at in ipairs(times) do
+    freed, slots = freed + kv_at[at], slots + n_at[at]
+    wait = at - now
+    if freed >= kv_needed and slots >= slots_needed then
+      break
+    end
+  end
+  return num(math.max(1.0, math.ceil(wait)))
 end

@@ -21,63 +21,12 @@ local th = tenant_key(P, a.t)
 redis.call('HSET', th, 'pol', ARGV[3])
 local out = { now = num(now), wall = num(wall), dk = dk, mk = mk, exp = expired }
 
--- Tenant limits: every scope (tenant-wide, then tenant x model), then the budgets.
-local enforced = false
-local conc_hit = false
-local scopes = {}
-local snap = {}
-for i, lim in ipairs(a.sc) do
-  local sc = scope_load(th, lim.k)
-  scope_sync(sc, lim, now)
-  -- The snapshot is taken before any refill: the caller's policy code refills exactly as
-  -- the memory store does, and so does this script (a refill at `now` happens when the
-  -- policy's would), so both keep bit-identical levels.
-  local s = { n = sc.n }
-  if sc.r then
-    s.r = { num(sc.r.level), num(sc.r.at) }
-    if wait_for(sc.r, 1, now) > 0 and not lim.r[3] then
-      enforced = true
-    end
-  end
-  if sc.t then
-    s.t = { num(sc.t.level), num(sc.t.at) }
-    local over = a.tk > sc.t.cap
-    if (over or wait_for(sc.t, a.tk, now) > 0) and not lim.t[3] then
-      enforced = true
-    end
-  end
-  if lim.c and sc.n >= lim.c[1] and not lim.c[2] then
-    enforced = true
-    conc_hit = true
-  end
-  scopes[i] = sc
-  snap[i] = s
-end
-out.sc = snap
-
-local sp_dh, sp_dl = m_parse(redis.call('HGET', th, 'sp|' .. dk))
-local rs_dh, rs_dl = m_parse(redis.call('HGET', th, 'rs|' .. dk))
-local sp_mh, sp_ml = m_parse(redis.call('HGET', th, 'sp|' .. mk))
-local rs_mh, rs_ml = m_parse(redis.call('HGET', th, 'rs|' .. mk))
-out.sp = { m_str(sp_dh, sp_dl), m_str(sp_mh, sp_ml) }
-out.rs = { m_str(rs_dh, rs_dl), m_str(rs_mh, rs_ml) }
-local cost_h, cost_l = m_parse(a.cost)
-for _, rule in ipairs(a.bu) do
-  if not rule[3] then
-    local cap_h, cap_l = m_parse(rule[2])
-    local lh, ll
-    if rule[1] == 'day' then
-      lh, ll = m_sub(cap_h, cap_l, sp_dh, sp_dl)
-      lh, ll = m_sub(lh, ll, rs_dh, rs_dl)
-    else
-      lh, ll = m_sub(cap_h, cap_l, sp_mh, sp_ml)
-      lh, ll = m_sub(lh, ll, rs_mh, rs_ml)
-    end
-    if m_gt(cost_h, cost_l, lh, ll) then
-      enforced = true
-    end
-  end
-end
+-- Tenant limits: every scope (tenant-wide, then tenant x model), then the budgets. The
+-- snapshot in `out` is taken before any refill: the caller's policy code refills exactly as
+-- the memory store does, and so does this script (a refill at `now` happens when the
+-- policy's would), so both keep bit-identical levels. With `a.pre` the pre-check took the
+-- RPM request: it is not taken again (and only a debt counts as over RPM).
+local enforced, conc_hit, scopes, money = tenant_check(th, a, now, dk, mk, out)
 
 -- The backend: KV in flight (whole blocks) and concurrency.
 local bk = P .. ':b|' .. a.b
@@ -88,57 +37,24 @@ local bv = redis.call('HMGET', bk, 'kv', 'n', 'spot', 'otpr')
 local kvin, n = tonumber(bv[1]) or 0, tonumber(bv[2]) or 0
 out.kvin, out.n = kvin, n
 
--- When enough in-flight work finishes to free what is missing (policy/kv.py
--- seconds_until_freed): in-flight requests in expected finishing order, from the learnt
--- decode speed. Only computed for a rejection, so the walk costs nothing on admission.
--- Leases finishing at the same moment are taken together: the answer is that moment either
--- way, and plain numbers sort much faster than pairs.
-local function until_freed(kv_needed, slots_needed, tenant)
-  local spot, otpr = tonumber(bv[3]) or 0.02, tonumber(bv[4]) or 256.0
-  local expected_tokens = math.max(1.0, otpr)
-  local kv_at, n_at, times = {}, {}, {}
-  for _, raw in ipairs(redis.call('HVALS', rk)) do
-    local s, kv, x, t = string.match(raw, '^(%S+) (%d+) (%d+) ([^\n]*)')
-    if not tenant or t == tenant then
-      local at = tonumber(s) + math.min(tonumber(x), expected_tokens) * spot
-      if kv_at[at] then
-        kv_at[at], n_at[at] = kv_at[at] + tonumber(kv), n_at[at] + 1
-      else
-        kv_at[at], n_at[at] = tonumber(kv), 1
-        times[#times + 1] = at
-      end
-    end
-  end
-  table.sort(times)
-  local freed, slots, wait = 0, 0, 1.0
-  for _, at in ipairs(times) do
-    freed, slots = freed + kv_at[at], slots + n_at[at]
-    wait = at - now
-    if freed >= kv_needed and slots >= slots_needed then
-      break
-    end
-  end
-  return num(math.max(1.0, math.ceil(wait)))
-end
-
 local backend_ok = true
 if a.kv > a.kvb then
   backend_ok = false
 elseif n >= a.mc then
   backend_ok = false
-  out.w_slot = until_freed(0, 1, nil)
+  out.w_slot = until_freed(rk, bv, now, 0, 1, nil)
 elseif a.kv > a.kvb - kvin then
   backend_ok = false
-  out.w_kv = until_freed(a.kv - (a.kvb - kvin), 0, nil)
+  out.w_kv = until_freed(rk, bv, now, a.kv - (a.kvb - kvin), 0, nil)
 end
 if conc_hit then
-  out.w_tenant = until_freed(0, 1, a.t)
+  out.w_tenant = until_freed(rk, bv, now, 0, 1, a.t)
 end
 
 local admitted = backend_ok and not enforced
 if admitted then
   for _, sc in ipairs(scopes) do
-    if sc.r then
+    if sc.r and not a.pre then
       take(sc.r, 1, now)
     end
     if sc.t then
@@ -146,8 +62,8 @@ if admitted then
     end
     sc.n = sc.n + 1
   end
-  rs_dh, rs_dl = m_add(rs_dh, rs_dl, cost_h, cost_l)
-  rs_mh, rs_ml = m_add(rs_mh, rs_ml, cost_h, cost_l)
+  local rs_dh, rs_dl = m_add(money.rs_dh, money.rs_dl, money.cost_h, money.cost_l)
+  local rs_mh, rs_ml = m_add(money.rs_mh, money.rs_ml, money.cost_h, money.cost_l)
   redis.call('HSET', th, 'rs|' .. dk, m_str(rs_dh, rs_dl), 'rs|' .. mk, m_str(rs_mh, rs_ml))
   redis.call('HINCRBY', bk, 'kv', a.kv)
   redis.call('HINCRBY', bk, 'n', 1)
@@ -158,6 +74,8 @@ if admitted then
   local rec = rec_encode({
     rid = a.rid, t = a.t, m = a.m, p = a.p, x = a.x, c = a.c, cost = a.cost, kv = a.kv,
     s = num(now), tk = a.tk, sc = keys, dk = dk, mk = mk, b = a.b,
+    -- the pre-check took the RPM request: an abandon does not give it back
+    pre = a.pre or nil,
   })
   redis.call('HSET', rk, a.id, rec)
   redis.call('ZADD', P .. ':leases', num(now + a.ttl), a.b .. '|' .. a.id)
