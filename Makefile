@@ -7,10 +7,11 @@ DEMO_MODEL := var/models/qwen2.5-demo
 
 .PHONY: up test lint format install demo-model clean protos
 
-$(STAMP): pyproject.toml
+# kvgate with its demo and dev extras, and the vLLM simulator (sim/, its own distribution).
+$(STAMP): pyproject.toml sim/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[sim,demo,dev]'
+	$(BIN)/pip install --quiet -e '.[demo,dev]' -e ./sim
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,16 +26,16 @@ up: install demo-model
 	$(BIN)/python tools/up.py
 
 test: install demo-model
-	$(BIN)/ruff check src tests tools bench deploy
-	$(BIN)/ruff format --check src tests tools bench deploy
+	$(BIN)/ruff check src sim tests tools bench deploy
+	$(BIN)/ruff format --check src sim tests tools bench deploy
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check src tests tools bench deploy
+	$(BIN)/ruff check src sim tests tools bench deploy
 
 format: install
-	$(BIN)/ruff format src tests tools bench deploy
-	$(BIN)/ruff check --fix src tests tools bench deploy
+	$(BIN)/ruff format src sim tests tools bench deploy
+	$(BIN)/ruff check --fix src sim tests tools bench deploy
 
 clean:
 	rm -rf $(VENV) var build *.egg-info
