@@ -19,7 +19,8 @@ from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.extproc import ExternalProcessor, GatewayServices
-from kvgate.extproc.usage_report import tenant_usage_report
+from kvgate.extproc.handoff import HandoffRegistry
+from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.http import create_http_app
 from kvgate.policy import MonotonicClock, Reservation
@@ -74,6 +75,7 @@ class KvgateServer:
             metrics=self.metrics,
             clock=self.clock,
             capacity=self.capacity,
+            handoffs=HandoffRegistry(),
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -147,7 +149,7 @@ class KvgateServer:
         return {
             "object": "kvgate.usage.all",
             "tenants": [
-                await tenant_usage_report(self.services, snapshot, name)
+                await tenant_usage_report(self.services.store, self.services.clock, snapshot, name)
                 for name in sorted(snapshot.tenants)
             ],
         }

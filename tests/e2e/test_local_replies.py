@@ -29,9 +29,9 @@ import httpx
 import pytest
 import yaml
 
-from kvgate.extproc.usage_report import USAGE_PATH
+from kvgate.extproc.session import USAGE_PATH
 from kvgate.openai import errors as api_errors
-from tests.e2e.harness import (
+from testbed.harness import (
     DEFAULT_MODEL_NAME,
     DEMO_API_KEY,
     DEMO_TENANT,

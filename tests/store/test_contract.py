@@ -229,7 +229,7 @@ async def test_tenant_concurrency_boundary(make_store: StoreFactory) -> None:
     policy = tenant(limits=ScopeLimits(concurrency=ConcurrencyRule(2)))
     held = [await admitted(store, req(10, 10), policy) for _ in range(2)]
     rejected = await reserve(store, req(10, 10), policy)
-    assert rejected.reason is Reason.CONCURRENCY_EXCEEDED
+    assert rejected.reason is Reason.TENANT_CONCURRENCY_EXCEEDED
     assert rejected.retry_after_s is not None and rejected.retry_after_s >= 1
     assert rejected.detail == "Too many concurrent requests: limit 2."
     assert await settle(store, held[0], policy=policy)
@@ -243,7 +243,7 @@ async def test_model_scope_applies_to_its_model_only(make_store: StoreFactory) -
     )
     await admitted(store, req(10, 10), policy)
     rejected = await reserve(store, req(10, 10), policy)
-    assert rejected.reason is Reason.CONCURRENCY_EXCEEDED
+    assert rejected.reason is Reason.TENANT_CONCURRENCY_EXCEEDED
     assert rejected.detail == "Too many concurrent requests for model 'm': limit 1."
     assert rejected.violations[0].limit == "model:concurrency"
     assert (await reserve(store, req(10, 10, model="other"), policy)).admitted
@@ -296,7 +296,7 @@ async def test_backend_concurrency_boundary(make_store: StoreFactory) -> None:
     narrow = BackendLimits("b", kv_budget_tokens=1000, kv_block_size=10, max_concurrent_requests=2)
     held = [await admitted(store, req(1, 1), backend=narrow) for _ in range(2)]
     rejected = await reserve(store, req(1, 1), backend=narrow)
-    assert rejected.reason is Reason.CONCURRENCY_LIMIT
+    assert rejected.reason is Reason.BACKEND_CONCURRENCY_LIMIT
     assert await settle(store, held[1])
     assert (await reserve(store, req(1, 1), backend=narrow)).admitted
 
@@ -396,7 +396,7 @@ async def test_a_rejecting_precheck_takes_nothing(
     held = await admitted(store, req(10, 10, rid="held"), policy)  # 1 request left
     for _ in range(3):
         busy = await precheck(store, req(1, 10, rid="busy"), policy)
-        assert busy is not None and busy.reason is Reason.CONCURRENCY_EXCEEDED
+        assert busy is not None and busy.reason is Reason.TENANT_CONCURRENCY_EXCEEDED
         assert remaining_requests(busy) == 1
     assert await settle(store, held, policy=policy)
     assert await precheck(store, req(1, 10, rid="next"), policy) is None  # the last one
@@ -738,7 +738,7 @@ async def test_retry_after_follows_the_learnt_throughput(
     await admitted(store, req(1, 400, tenant="n", backend=HUGE), narrow, HUGE)  # expected in 5.12 s
     await admitted(store, req(1, 20, tenant="u", backend=HUGE), FREE, HUGE)  # expected in 0.4 s
     busy = await reserve(store, req(1, 1, tenant="n", backend=HUGE), narrow, HUGE)
-    assert busy.reason is Reason.CONCURRENCY_EXCEEDED
+    assert busy.reason is Reason.TENANT_CONCURRENCY_EXCEEDED
     assert busy.retry_after_s == 6.0
     assert first.expires_at == first.started_at + 60
 

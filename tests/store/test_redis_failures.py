@@ -34,7 +34,7 @@ from kvgate.store import (
     RedisStore,
     StoreUnavailable,
 )
-from tests.e2e.redis_harness import RedisSentinel, RedisServer
+from testbed.redis_harness import RedisSentinel, RedisServer
 
 TIMEOUT_S = 0.3
 PROBE_S = 0.2
@@ -189,7 +189,7 @@ async def test_fail_open_admits_locally_and_books_the_ledger_later(
         third = await store.reserve(req(3), BACKEND, TENANT)
         # The local store enforces the same limits (here: 2 at once).
         assert first.admitted and second.admitted
-        assert third.reason is Reason.CONCURRENCY_EXCEEDED
+        assert third.reason is Reason.TENANT_CONCURRENCY_EXCEEDED
         assert events.fallbacks == [True, True, False]
         assert first.reservation and second.reservation
         statuses = await store.backend_status()

@@ -92,7 +92,7 @@ def test_concurrency_cap() -> None:
     for i in range(4):
         assert ledger.try_reserve(req(10, 6), f"r{i}", 0.0, 60).admitted
     decision = ledger.try_reserve(req(10, 6), "r4", 0.0, 60)
-    assert decision.reason is Reason.CONCURRENCY_LIMIT
+    assert decision.reason is Reason.BACKEND_CONCURRENCY_LIMIT
     assert decision.retry_after_s is not None and decision.retry_after_s >= 1
 
 

@@ -196,7 +196,7 @@ def test_concurrency_frees_on_settle_and_all_or_nothing() -> None:
     held = rig.admit(req(10, 10))
     assert held.admitted
     rejected = rig.admit(req(10, 10))
-    assert rejected.reason is Reason.CONCURRENCY_EXCEEDED
+    assert rejected.reason is Reason.TENANT_CONCURRENCY_EXCEEDED
     assert rejected.retry_after_s is not None and rejected.retry_after_s >= 1
     # The rejected request took nothing from the TPM bucket: all or nothing.
     assert rig.state.scopes[""].tokens.available(rig.clock.now()) == pytest.approx(980)

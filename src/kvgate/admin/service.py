@@ -9,7 +9,7 @@ import grpc
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.config import SnapshotHolder
 from kvgate.extproc.services import GatewayServices
-from kvgate.extproc.usage_report import tenant_usage_report
+from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.reload import ConfigReloader
 
 
@@ -64,7 +64,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         snapshot = self._snapshots.current
         if request.tenant not in snapshot.tenants:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no tenant '{request.tenant}'")
-        report = await tenant_usage_report(self._services, snapshot, request.tenant)
+        report = await tenant_usage_report(
+            self._services.store, self._services.clock, snapshot, request.tenant
+        )
         return tenant_usage_message(report)
 
     async def ListTenantUsage(
@@ -73,7 +75,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         snapshot = self._snapshots.current
         return admin_pb2.ListTenantUsageResponse(
             tenants=[
-                tenant_usage_message(await tenant_usage_report(self._services, snapshot, name))
+                tenant_usage_message(
+                    await tenant_usage_report(
+                        self._services.store, self._services.clock, snapshot, name
+                    )
+                )
                 for name in sorted(snapshot.tenants)
             ]
         )

@@ -1,4 +1,4 @@
-"""What a stream session needs from the rest of kvgate, gathered in one object."""
+"""The collaborators a stream session works with, built once by the composition root."""
 
 from __future__ import annotations
 
@@ -9,50 +9,27 @@ from typing import Any, Protocol, TypeVar
 
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
-from kvgate.extproc.handoff import HandedOff, HandoffRegistry
-from kvgate.lifecycle import LeaseKeeper, ResponseReading, charged_usage
-from kvgate.metrics import Metrics
-from kvgate.policy import (
-    ActualUsage,
-    Clock,
-    Decision,
-    Pricing,
-    Reservation,
-    SettleCause,
-    TenantPolicy,
-    pico_to_usd,
+from kvgate.config.snapshot import RuntimeSnapshot
+from kvgate.extproc.handoff import HandoffRegistry
+from kvgate.lifecycle import (
+    Admission,
+    LeaseKeeper,
+    PromptTokenizers,
+    ResponseReading,
+    Settler,
+    Ticket,
 )
-from kvgate.policy.pricing import PICO_PER_USD
+from kvgate.metrics import Metrics
+from kvgate.policy import Clock, Decision, SettleCause
 from kvgate.store import StateStore
-from kvgate.tokenize import PromptCounter
 
-log = logging.getLogger("kvgate.settle")
+log = logging.getLogger("kvgate.services")
 
 T = TypeVar("T")
 
 
-class PromptTokenizers(Protocol):
-    """Counting off the event loop, scheduled fairly between tenants."""
-
-    async def count_chat(
-        self,
-        model: str,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tenant: str = "",
-    ) -> int: ...
-
-    async def count_completion(self, model: str, prompt: Any, *, tenant: str = "") -> int: ...
-
-    async def count_text(self, model: str, text: str, *, tenant: str = "") -> int: ...
-
+class FairTokenizers(PromptTokenizers, Protocol):
     async def run(self, tenant: str, work: Callable[[], T], *, cost: int = 1) -> T: ...
-
-    def counter(self, model: str) -> PromptCounter: ...
 
 
 class GatewayServices:
@@ -61,26 +38,40 @@ class GatewayServices:
         *,
         snapshots: SnapshotHolder,
         store: StateStore,
-        tokenizers: PromptTokenizers,
+        tokenizers: FairTokenizers,
         metrics: Metrics,
         clock: Clock,
-        capacity: CapacityRegistry | None = None,
+        capacity: CapacityRegistry,
+        handoffs: HandoffRegistry,
     ) -> None:
         self.snapshots = snapshots
         self.store = store
         self.tokenizers = tokenizers
         self.metrics = metrics
         self.clock = clock
-        self.capacity = capacity or CapacityRegistry()
-        self.handoffs = HandoffRegistry()
+        self.capacity = capacity
+        self.handoffs = handoffs
         self.leases = LeaseKeeper(store, metrics, lambda: self.lease_renew_interval_s)
+        self.settler = Settler(
+            store=store, snapshots=snapshots, metrics=metrics, leases=self.leases, track=self.track
+        )
         self.shutting_down = False
         self._background: set[asyncio.Task[None]] = set()
 
     @property
     def lease_renew_interval_s(self) -> float:
-        # Renew well before expiry, but not on every chunk.
+        # Renew well before expiry: a lease survives two missed renewals.
         return self.snapshots.current.config.server.lease_ttl_s / 3
+
+    def admission(self, snapshot: RuntimeSnapshot) -> Admission:
+        return Admission(
+            snapshot=snapshot,
+            store=self.store,
+            tokenizers=self.tokenizers,
+            capacity=self.capacity,
+            record_violations=self.record_violations,
+            track=self.track,
+        )
 
     def track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run work that must finish even though its stream is gone; shutdown waits for it."""
@@ -89,90 +80,12 @@ class GatewayServices:
         task.add_done_callback(self._background.discard)
         return task
 
-    def settle(
-        self,
-        reservation: Reservation,
-        cause: SettleCause,
-        charged: ActualUsage,
-        *,
-        metered: bool = True,
-        request_id: str = "",
-        pricing: Pricing | None = None,
-    ) -> asyncio.Task[None]:
-        """Book `charged` (what the billing rule decided) and release the reservation, in the
-        background so that it lands even if the stream is gone."""
-        self.leases.release(reservation.reservation_id)
-        if not metered:
-            self.metrics.unmetered_settlements.labels(reservation.request.backend).inc()
-        cost = (pricing or Pricing()).cost(
-            charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
-        )
-        return self.track(self._settle(reservation, cause, charged, cost, request_id))
-
-    async def _settle(
-        self,
-        reservation: Reservation,
-        cause: SettleCause,
-        usage: ActualUsage,
-        cost_pico: int,
-        request_id: str,
-    ) -> None:
-        request = reservation.request
-        snapshot = self.snapshots.current
-        tenant = snapshot.tenants.get(request.tenant) or TenantPolicy(name=request.tenant)
-        try:
-            settlement = await self.store.settle(
-                reservation, cause, usage, cost_pico=cost_pico, tenant=tenant
-            )
-        except Exception:
-            # The lease still expires on its own; say loudly that this one was not recorded.
-            log.exception("settlement failed", extra={"request_id": request_id})
-            return
-        if not settlement.applied:
-            return
-        m = self.metrics
-        if settlement.lease_expired:
-            m.late_settlements.labels(request.backend).inc()
-        m.settlements.labels(request.backend, cause.value).inc()
-        m.prompt_tokens.labels(request.tenant, request.model).inc(usage.prompt_tokens)
-        m.output_tokens.labels(request.tenant, request.model).inc(usage.output_tokens)
-        if usage.cached_tokens:
-            m.cached_tokens.labels(request.tenant, request.model).inc(usage.cached_tokens)
-        if cost_pico:
-            m.cost_usd.labels(request.tenant, request.model).inc(cost_pico / PICO_PER_USD)
-        used = usage.prompt_tokens + usage.output_tokens
-        m.reserved_unused_tokens.labels(request.backend).inc(max(0, reservation.kv_tokens - used))
-        # Per request: DEBUG (Envoy's access log is the per-request record).
-        log.debug(
-            "settled",
-            extra={
-                "request_id": request_id,
-                "tenant": request.tenant,
-                "model": request.model,
-                "cause": cause.value,
-                "prompt_tokens": usage.prompt_tokens,
-                "output_tokens": usage.output_tokens,
-                "reserved_tokens": reservation.kv_tokens,
-                "cost_usd": str(pico_to_usd(cost_pico)),
-            },
-        )
-
-    def settle_unclaimed(self, state: HandedOff) -> None:
-        """A split-mode hand-off no observability stream claimed: the response was never
-        observed, so nothing is charged (as for a request cut before its answer)."""
+    def settle_unclaimed(self, ticket: Ticket) -> None:
+        """A split-layout hand-off no observing stream claimed. Envoy opens that stream with
+        the request, so nothing of the answer was seen: the billing rule decides from that."""
         self.metrics.stream_disconnects.labels("unclaimed_handoff").inc()
-        # Nothing of the answer was seen; Envoy opens the observing stream with the request,
-        # so an unclaimed hand-off means the request never got that far.
-        reading = ResponseReading(streamed=state.request.stream)
-        charged, metered = charged_usage(SettleCause.DISCONNECTED, reading, state.reservation)
-        self.settle(
-            state.reservation,
-            SettleCause.DISCONNECTED,
-            charged,
-            metered=metered,
-            request_id=state.request_id,
-            pricing=state.route.pricing,
-        )
+        reading = ResponseReading(streamed=ticket.request.stream)
+        self.settler.settle(ticket, SettleCause.DISCONNECTED, reading)
 
     def record_violations(self, tenant: str, decision: Decision) -> None:
         for violation in decision.violations:

@@ -80,7 +80,7 @@ class BackendLedger:
         if len(self.in_flight) >= self.limits.max_concurrent_requests:
             return Decision(
                 admitted=False,
-                reason=Reason.CONCURRENCY_LIMIT,
+                reason=Reason.BACKEND_CONCURRENCY_LIMIT,
                 retry_after_s=self.seconds_until_freed(now, kv_needed=0, slots_needed=1),
                 detail=(
                     f"Backend '{self.limits.name}' is at its limit of "

@@ -212,7 +212,7 @@ def evaluate(
         if limits.concurrency is not None and scope.in_flight >= limits.concurrency.limit:
             violations.append(
                 Violation(
-                    Reason.CONCURRENCY_EXCEEDED,
+                    Reason.TENANT_CONCURRENCY_EXCEEDED,
                     _label(scope_key, "concurrency"),
                     f"Too many concurrent requests{where}: limit {limits.concurrency.limit}.",
                     None,

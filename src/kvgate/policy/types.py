@@ -12,36 +12,36 @@ if TYPE_CHECKING:
 
 
 class Reason(enum.StrEnum):
-    """Why a request was answered the way it was. Low cardinality: used as a metric label.
+    """Why admission decided as it did, in domain terms. Low cardinality: a metric label.
 
-    The human detail goes into the error body, never into the label.
+    The human detail goes into the answer, never into the label. Protocol outcomes (a
+    missing key, an unknown path, a pass-through) belong to the adapter, not here.
     """
 
     ADMITTED = "admitted"
-    PASSTHROUGH = "passthrough"
-    USAGE_REPORT = "usage_report"
-    MISSING_API_KEY = "missing_api_key"
-    INVALID_API_KEY = "invalid_api_key"
-    INVALID_REQUEST = "invalid_request"
     MODEL_NOT_FOUND = "model_not_found"
-    UNSUPPORTED_PATH = "unsupported_path"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    # min_tokens above the cap the engine may generate.
+    MIN_TOKENS_OVER_CAP = "min_tokens_over_cap"
+    # The chat template refused the messages (e.g. roles out of order).
+    UNRENDERABLE_PROMPT = "unrenderable_prompt"
     REQUEST_EXCEEDS_KV_BUDGET = "request_exceeds_kv_budget"
     KV_BUDGET_EXHAUSTED = "kv_budget_exhausted"
-    CONCURRENCY_LIMIT = "concurrency_limit"
+    # The backend's own limit on requests in flight.
+    BACKEND_CONCURRENCY_LIMIT = "concurrency_limit"
     RPM_EXCEEDED = "rpm_exceeded"
     TPM_EXCEEDED = "tpm_exceeded"
     REQUEST_EXCEEDS_TPM = "request_exceeds_tpm"
-    CONCURRENCY_EXCEEDED = "concurrency_exceeded"
+    # The tenant's own limit on requests in flight.
+    TENANT_CONCURRENCY_EXCEEDED = "concurrency_exceeded"
     BUDGET_EXCEEDED = "budget_exceeded"
     BACKEND_OVERLOADED = "backend_overloaded"
     CAPACITY_UNKNOWN = "capacity_unknown"
     STORE_UNAVAILABLE = "store_unavailable"
-    # kvgate could not decide within server.decision_timeout_s (e.g. counting was queued).
-    DECISION_TIMEOUT = "decision_timeout"
     # The tenant already has too much prompt counting queued.
     COUNTING_BUSY = "counting_busy"
-    INTERNAL_ERROR = "internal_error"
+    # A reserve for a request that was abandoned (its first answer was lost).
+    ABANDONED = "abandoned"
 
 
 class SettleCause(enum.StrEnum):

@@ -38,7 +38,7 @@ def abandoned_decision(request: AdmissionRequest) -> Decision:
     """What a reserve for an abandoned request answers: nothing was committed."""
     return Decision(
         admitted=False,
-        reason=Reason.INTERNAL_ERROR,
+        reason=Reason.ABANDONED,
         detail=f"Request {request.request_id!r} was abandoned; it cannot be admitted again.",
     )
 

@@ -1,38 +1,43 @@
-"""From a parsed request to a reservation: count, size, price, reserve, and apply the tenant's
-budget action (block, fall back to a cheaper model, or clamp max_tokens) when money runs out.
+"""Admission: from a parsed request to a ticket, or a rejection with its reason and numbers.
+
+Counts the prompt (refusing from a cheap bound first what cannot fit), sizes the request,
+reserves on its backend, and applies the tenant's budget action (block, fall back to a
+cheaper model, or clamp max_tokens) when money runs out. Protocol-free: the outcomes are
+domain values; the Envoy adapter turns them into HTTP answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config.snapshot import ModelRoute, RuntimeSnapshot
-from kvgate.extproc.ratelimit_headers import rate_limit_headers
-from kvgate.extproc.services import GatewayServices
-from kvgate.openai import ApiError, ParsedRequest
-from kvgate.openai import errors as api_errors
+from kvgate.lifecycle.ticket import Ticket
+from kvgate.openai import ParsedRequest
 from kvgate.openai.requests import PromptBound, prompt_lower_bound
 from kvgate.policy import (
     AdmissionRequest,
     BackendLimits,
     BudgetAction,
     Decision,
+    RateLimitView,
     Reason,
-    Reservation,
     TenantPolicy,
     plan_new_tokens,
 )
-from kvgate.store import StoreUnavailable
-from kvgate.tokenize import PromptRenderError, TokenizerBusy
+from kvgate.store import StateStore, StoreUnavailable
+from kvgate.tokenize import PromptCounter, PromptRenderError, TokenizerBusy
 
 # Rejections a lower bound on the prompt answers exactly: they do not depend on its size
 # (or, for a request larger than the whole bucket, no wait can help).
 _SIZE_INDEPENDENT_REJECTIONS = frozenset(
     {
         Reason.RPM_EXCEEDED,
-        Reason.CONCURRENCY_LIMIT,
-        Reason.CONCURRENCY_EXCEEDED,
+        Reason.BACKEND_CONCURRENCY_LIMIT,
+        Reason.TENANT_CONCURRENCY_EXCEEDED,
         Reason.REQUEST_EXCEEDS_TPM,
     }
 )
@@ -41,30 +46,72 @@ _SIZE_INDEPENDENT_REJECTIONS = frozenset(
 # counting it; a shorter one is counted for an exact answer (counting it costs < 10 ms).
 _EARLY_REFUSAL_MIN_TOKENS = 8192
 
-FALLBACK_HEADER = "x-kvgate-fallback"
-CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
 
+@dataclass(frozen=True, slots=True)
+class ContextOverflow:
+    """The numbers of a request that does not fit its model's context."""
 
-class AdmissionRejected(Exception):
-    def __init__(self, error: ApiError, reason: Reason, decision: Decision | None = None) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.reason = reason
-        self.decision = decision
-
-
-@dataclass(slots=True)
-class Admitted:
-    reservation: Reservation
-    route: ModelRoute
     prompt_tokens: int
-    max_new_tokens: int
-    decision: Decision
-    # Body rewrites the engine must see (model after a fallback, max_tokens after a clamp).
-    new_model: str | None = None
-    new_max_tokens: int | None = None
-    # Headers for the client's response (fallback and clamp notices, x-ratelimit-*).
-    client_headers: dict[str, str] = field(default_factory=dict)
+    max_new_tokens: int | None
+    max_context: int
+    at_least: bool = False  # prompt_tokens is a lower bound (found without counting)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a request is not admitted, in domain terms (no HTTP)."""
+
+    reason: Reason
+    message: str
+    retry_after_s: float | None = None
+    rate_limits: RateLimitView | None = None
+    # The request field at fault, when there is one.
+    param: str | None = None
+    context: ContextOverflow | None = None
+
+
+class Rejected(Exception):
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(rejection.message)
+        self.rejection = rejection
+
+
+def rejection_of(decision: Decision) -> Rejection:
+    """The policy's refusal as a rejection."""
+    param = (
+        "max_tokens"
+        if decision.reason in (Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM)
+        else None
+    )
+    return Rejection(
+        reason=decision.reason,
+        message=decision.detail,
+        retry_after_s=decision.retry_after_s,
+        rate_limits=decision.rate_limits,
+        param=param,
+    )
+
+
+class PromptTokenizers(Protocol):
+    """Counting off the event loop, scheduled fairly between tenants."""
+
+    async def count_chat(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tenant: str = "",
+    ) -> int: ...
+
+    async def count_completion(self, model: str, prompt: Any, *, tenant: str = "") -> int: ...
+
+    async def count_text(self, model: str, text: str, *, tenant: str = "") -> int: ...
+
+    def counter(self, model: str) -> PromptCounter: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,40 +121,57 @@ class _Sized:
     max_new_tokens: int
 
 
-class AdmissionPlanner:
-    def __init__(self, services: GatewayServices, snapshot: RuntimeSnapshot) -> None:
-        self._svc = services
+class Admission:
+    """Admits one request against one config snapshot."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: RuntimeSnapshot,
+        store: StateStore,
+        tokenizers: PromptTokenizers,
+        capacity: CapacityRegistry,
+        record_violations: Callable[[str, Decision], None],
+        track: Callable[[Coroutine[Any, Any, None]], Any],
+    ) -> None:
         self._snapshot = snapshot
+        self._store = store
+        self._tokenizers = tokenizers
+        self._capacity = capacity
+        self._record_violations = record_violations
+        self._track = track
 
     async def admit(
-        self, request: ParsedRequest, tenant: TenantPolicy, request_id: str
-    ) -> Admitted:
+        self, request: ParsedRequest, tenant: TenantPolicy, request_id: str, admission_id: str
+    ) -> Ticket:
+        """A ticket for the admitted request, or `Rejected`. `admission_id` keys the
+        reservation in the store (unique per request); `request_id` is the client's."""
         route = self._snapshot.models.get(request.model)
         if route is None:
-            raise AdmissionRejected(
-                api_errors.model_not_found(request.model), Reason.MODEL_NOT_FOUND
-            )
+            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, request.model, param="model"))
         # Once the pre-check took the tenant's RPM request, no later step takes it again (the
         # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
-        slot_taken = await self._reject_early(request, tenant, route, request_id, False)
+        slot_taken = await self._reject_early(request, tenant, route, admission_id, False)
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision = await self._reserve(request, tenant, sized, request_id, slot_taken)
+        decision = await self._reserve(request, tenant, sized, admission_id, slot_taken)
         if decision.admitted:
-            return self._admitted(decision, sized)
+            return self._ticket(decision, sized, request, request_id)
         if decision.reason is Reason.BUDGET_EXCEEDED:
             if tenant.budget_action is BudgetAction.CLAMP:
                 clamped = await self._clamp(
-                    request, tenant, sized, decision, request_id, slot_taken
+                    request, tenant, sized, decision, admission_id, slot_taken
                 )
                 if clamped is not None:
-                    return clamped
+                    decision, sized, notice = clamped
+                    return self._ticket(decision, sized, request, request_id, **notice)
             elif tenant.budget_action is BudgetAction.FALLBACK and tenant.fallback_model:
                 fallen = await self._fall_back(
-                    request, tenant, tenant.fallback_model, request_id, slot_taken
+                    request, tenant, tenant.fallback_model, admission_id, slot_taken
                 )
                 if fallen is not None:
-                    return fallen
-        raise AdmissionRejected(_rejection_error(decision), decision.reason, decision)
+                    decision, sized, notice = fallen
+                    return self._ticket(decision, sized, request, request_id, **notice)
+        raise Rejected(rejection_of(decision))
 
     # ------------------------------------------------------------------ steps
 
@@ -116,7 +180,7 @@ class AdmissionPlanner:
         request: ParsedRequest,
         tenant: TenantPolicy,
         route: ModelRoute,
-        request_id: str,
+        admission_id: str,
         slot_taken: bool,
     ) -> bool:
         """Turn away a tenant that is over a limit before paying for tokenization: a 429
@@ -135,18 +199,21 @@ class AdmissionPlanner:
         ):
             # Cannot fit whatever its exact count: refuse before paying for tokenizing. (A
             # small prompt is counted instead: that is cheap, and the answer is exact.)
-            raise AdmissionRejected(
-                api_errors.context_length_exceeded(
-                    bound.longest,
-                    request.max_new_tokens,
-                    route.max_context,
-                    param="messages" if request.kind == "chat" else "prompt",
-                    at_least=not bound.exact,
-                ),
-                Reason.CONTEXT_LENGTH_EXCEEDED,
+            raise Rejected(
+                Rejection(
+                    Reason.CONTEXT_LENGTH_EXCEEDED,
+                    "The prompt does not fit the model's context.",
+                    param=_prompt_param(request),
+                    context=ContextOverflow(
+                        bound.longest,
+                        request.max_new_tokens,
+                        route.max_context,
+                        at_least=not bound.exact,
+                    ),
+                )
             )
         lower_bound = AdmissionRequest(
-            request_id=request_id,
+            request_id=admission_id,
             tenant=tenant.name,
             model=route.name,
             backend=route.backend,
@@ -157,7 +224,7 @@ class AdmissionPlanner:
             request_slot_taken=slot_taken,
         )
         try:
-            early = await self._svc.store.precheck(
+            early = await self._store.precheck(
                 lower_bound, limits, tenant, take_request_slot=not slot_taken
             )
         except StoreUnavailable:
@@ -172,13 +239,13 @@ class AdmissionPlanner:
             # (a wait computed for a lower bound would be refused again). Nothing was
             # taken: the reserve takes the slot.
             return slot_taken
-        self._svc.record_violations(tenant.name, early)
-        raise AdmissionRejected(_rejection_error(early), early.reason, early)
+        self._record_violations(tenant.name, early)
+        raise Rejected(rejection_of(early))
 
     def _prompt_lower_bound(self, request: ParsedRequest, model: str) -> PromptBound:
         """Prompt tokens the request needs at least, from its text length alone."""
         try:
-            per_token = self._svc.tokenizers.counter(model).max_token_chars
+            per_token = self._tokenizers.counter(model).max_token_chars
         except KeyError:
             return PromptBound(total=1, longest=1, exact=False)
         return prompt_lower_bound(request, per_token)
@@ -198,32 +265,30 @@ class AdmissionPlanner:
             longest, requested_max_new, route.default_max_new_tokens, route.max_context
         )
         if not plan.ok:
-            raise AdmissionRejected(
-                api_errors.context_length_exceeded(
-                    longest,
-                    plan.max_new_tokens,
-                    route.max_context,
-                    param="messages" if request.kind == "chat" else "prompt",
-                ),
-                Reason.CONTEXT_LENGTH_EXCEEDED,
+            raise Rejected(
+                Rejection(
+                    Reason.CONTEXT_LENGTH_EXCEEDED,
+                    "The prompt and the completion do not fit the model's context.",
+                    param=_prompt_param(request),
+                    context=ContextOverflow(longest, plan.max_new_tokens, route.max_context),
+                )
             )
         if request.min_tokens > plan.max_new_tokens:
             # The engine would generate past the reserved cap (or refuse the request).
-            raise AdmissionRejected(
-                api_errors.invalid_request(
+            raise Rejected(
+                Rejection(
+                    Reason.MIN_TOKENS_OVER_CAP,
                     f"min_tokens ({request.min_tokens}) must not exceed the completion's "
                     f"token limit ({plan.max_new_tokens}).",
                     param="min_tokens",
-                    code="invalid_value",
-                ),
-                Reason.INVALID_REQUEST,
+                )
             )
         return _Sized(route, total, plan.max_new_tokens)
 
     async def _count(self, request: ParsedRequest, model: str, tenant: str) -> list[int]:
         """Prompt tokens, one count per prompt the engine runs (several for a batch),
         counted under the tenant's fair share of the counting workers."""
-        tokenizers = self._svc.tokenizers
+        tokenizers = self._tokenizers
         try:
             if request.kind == "chat":
                 return [
@@ -243,21 +308,19 @@ class AdmissionPlanner:
                 for prompt in prompts
             ]
         except TokenizerBusy as busy:
-            raise AdmissionRejected(
-                api_errors.rate_limited(
+            raise Rejected(
+                Rejection(
+                    Reason.COUNTING_BUSY,
                     "Too many of your requests are waiting to be counted; "
                     "retry when some have been answered.",
-                    Reason.COUNTING_BUSY.value,
-                    busy.retry_after_s,
-                ),
-                Reason.COUNTING_BUSY,
+                    retry_after_s=busy.retry_after_s,
+                )
             ) from None
         except PromptRenderError as exc:
-            raise AdmissionRejected(
-                api_errors.invalid_request(
-                    exc.client_message, param="messages" if request.kind == "chat" else "prompt"
-                ),
-                Reason.INVALID_REQUEST,
+            raise Rejected(
+                Rejection(
+                    Reason.UNRENDERABLE_PROMPT, exc.client_message, param=_prompt_param(request)
+                )
             ) from None
 
     async def _reserve(
@@ -265,12 +328,12 @@ class AdmissionPlanner:
         request: ParsedRequest,
         tenant: TenantPolicy,
         sized: _Sized,
-        request_id: str,
+        admission_id: str,
         slot_taken: bool,
     ) -> Decision:
         sequences = request.num_sequences
         admission = AdmissionRequest(
-            request_id=request_id,
+            request_id=admission_id,
             tenant=tenant.name,
             model=sized.route.name,
             backend=sized.route.backend,
@@ -284,64 +347,77 @@ class AdmissionPlanner:
             request_slot_taken=slot_taken,
         )
         limits = self._backend_limits(sized.route.backend)
-        store = self._svc.store
+        store = self._store
         try:
             decision = await store.reserve(admission, limits, tenant)
         except asyncio.CancelledError:
             # The stream went away (or the decision deadline passed) with the reserve in
             # flight: it may have committed. Release whatever it took, in the background.
-            self._svc.track(store.abandon(admission))
+            self._track(store.abandon(admission))
             raise
         except StoreUnavailable as exc:
             # The reply was lost, not necessarily the reserve: release it once the store
             # answers again. Then 503 (fail_closed): retry later.
-            self._svc.track(store.abandon(admission))
-            raise AdmissionRejected(
-                api_errors.service_unavailable(
+            self._track(store.abandon(admission))
+            raise Rejected(
+                Rejection(
+                    Reason.STORE_UNAVAILABLE,
                     "kvgate cannot reach its shared state store to admit this request. "
                     "Please retry.",
                     retry_after_s=exc.retry_after_s,
-                ),
-                Reason.STORE_UNAVAILABLE,
+                )
             ) from None
-        self._svc.record_violations(tenant.name, decision)
+        self._record_violations(tenant.name, decision)
         return decision
 
     def _backend_limits(self, backend: str) -> BackendLimits:
         """The backend's limits now: a discovered budget, and no admission under pressure."""
-        limits = self._svc.capacity.effective_limits(
+        limits = self._capacity.effective_limits(
             self._snapshot.backends[backend], auto=backend in self._snapshot.auto_budget
         )
         if limits is None:
-            raise AdmissionRejected(
-                api_errors.service_unavailable(
-                    f"The capacity of backend '{backend}' is not known yet.", retry_after_s=2
-                ),
-                Reason.CAPACITY_UNKNOWN,
+            raise Rejected(
+                Rejection(
+                    Reason.CAPACITY_UNKNOWN,
+                    f"The capacity of backend '{backend}' is not known yet.",
+                    retry_after_s=2,
+                )
             )
-        verdict = self._svc.capacity.verdict(backend)
+        verdict = self._capacity.verdict(backend)
         if verdict is not None and verdict.shed:
             settings = next(b for b in self._snapshot.config.backends if b.name == backend)
             retry = settings.backpressure.retry_after_s if settings.backpressure else 2.0
-            raise AdmissionRejected(
-                api_errors.rate_limited(
+            raise Rejected(
+                Rejection(
+                    Reason.BACKEND_OVERLOADED,
                     f"Backend '{backend}' is overloaded: {verdict.detail}",
-                    Reason.BACKEND_OVERLOADED.value,
-                    retry,
-                ),
-                Reason.BACKEND_OVERLOADED,
+                    retry_after_s=retry,
+                )
             )
         return limits
 
-    def _admitted(self, decision: Decision, sized: _Sized) -> Admitted:
+    def _ticket(
+        self,
+        decision: Decision,
+        sized: _Sized,
+        request: ParsedRequest,
+        request_id: str,
+        *,
+        fallback_from: str | None = None,
+        clamped_from: int | None = None,
+    ) -> Ticket:
         assert decision.reservation is not None
-        return Admitted(
+        return Ticket(
             reservation=decision.reservation,
             route=sized.route,
+            request=request,
+            request_id=request_id,
             prompt_tokens=sized.prompt_tokens,
             max_new_tokens=sized.max_new_tokens,
-            decision=decision,
-            client_headers=rate_limit_headers(decision.rate_limits),
+            new_model=sized.route.name if fallback_from is not None else None,
+            rate_limits=decision.rate_limits,
+            fallback_from=fallback_from,
+            clamped_from=clamped_from,
         )
 
     async def _clamp(
@@ -350,9 +426,9 @@ class AdmissionPlanner:
         tenant: TenantPolicy,
         sized: _Sized,
         decision: Decision,
-        request_id: str,
+        admission_id: str,
         slot_taken: bool,
-    ) -> Admitted | None:
+    ) -> tuple[Decision, _Sized, dict[str, Any]] | None:
         """Lower max_tokens to what the remaining budget pays for; None if not even one
         token of answer fits."""
         if decision.budget_left_pico is None:
@@ -363,51 +439,32 @@ class AdmissionPlanner:
         if affordable < 1 or affordable >= sized.max_new_tokens:
             return None
         smaller = _Sized(sized.route, sized.prompt_tokens, affordable)
-        retry = await self._reserve(request, tenant, smaller, request_id, slot_taken)
+        retry = await self._reserve(request, tenant, smaller, admission_id, slot_taken)
         if not retry.admitted:
             return None
-        admitted = self._admitted(retry, smaller)
-        admitted.new_max_tokens = affordable
-        admitted.client_headers[CLAMP_HEADER] = f"{sized.max_new_tokens} -> {affordable}"
-        return admitted
+        return retry, smaller, {"clamped_from": sized.max_new_tokens}
 
     async def _fall_back(
         self,
         request: ParsedRequest,
         tenant: TenantPolicy,
         fallback: str,
-        request_id: str,
+        admission_id: str,
         slot_taken: bool,
-    ) -> Admitted | None:
+    ) -> tuple[Decision, _Sized, dict[str, Any]] | None:
         route = self._snapshot.models.get(fallback)
         if route is None or route.name == request.model:
             return None
         # The fallback model has its own tokenizer, context and prices: count again. A slot
         # taken for the requested model counts this request (the fallback model's own RPM
         # scope, if any, is then not charged: the client asked for the first model).
-        slot_taken = await self._reject_early(request, tenant, route, request_id, slot_taken)
+        slot_taken = await self._reject_early(request, tenant, route, admission_id, slot_taken)
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision = await self._reserve(request, tenant, sized, request_id, slot_taken)
+        decision = await self._reserve(request, tenant, sized, admission_id, slot_taken)
         if not decision.admitted:
             return None
-        admitted = self._admitted(decision, sized)
-        admitted.new_model = route.name
-        admitted.client_headers[FALLBACK_HEADER] = f"{request.model} -> {route.name}"
-        return admitted
+        return decision, sized, {"fallback_from": request.model}
 
 
-def _rejection_error(decision: Decision) -> ApiError:
-    reason = decision.reason
-    headers = rate_limit_headers(decision.rate_limits)
-    if reason in (Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM):
-        # Waiting cannot help: a 400, with no Retry-After.
-        return api_errors.invalid_request(decision.detail, param="max_tokens", code=reason.value)
-    if reason is Reason.BUDGET_EXCEEDED:
-        return api_errors.rate_limited(
-            decision.detail,
-            reason.value,
-            decision.retry_after_s,
-            headers,
-            error_type="insufficient_quota",
-        )
-    return api_errors.rate_limited(decision.detail, reason.value, decision.retry_after_s, headers)
+def _prompt_param(request: ParsedRequest) -> str:
+    return "messages" if request.kind == "chat" else "prompt"

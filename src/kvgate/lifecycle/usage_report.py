@@ -1,15 +1,14 @@
-"""The tenant's own usage view (`GET /v1/kvgate/usage` through Envoy, authenticated by the
-tenant's key) and the operator's view of every tenant (kvgate's HTTP port)."""
+"""A tenant's usage report: tokens, cost, reserved and remaining budget for today and this
+month, by model. The tenant reads it through Envoy (`GET /v1/kvgate/usage`, with its own
+key); operators read every tenant's on kvgate's HTTP port and through the admin API."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvgate.config.snapshot import RuntimeSnapshot
-from kvgate.extproc.services import GatewayServices
-from kvgate.policy import Period, UsageTotals, period_key, pico_to_usd, seconds_until_reset
-
-USAGE_PATH = "/v1/kvgate/usage"
+from kvgate.policy import Clock, Period, UsageTotals, period_key, pico_to_usd, seconds_until_reset
+from kvgate.store import StateStore
 
 
 def _money(pico: int) -> str:
@@ -27,12 +26,12 @@ def _totals(totals: UsageTotals) -> dict[str, Any]:
 
 
 async def tenant_usage_report(
-    services: GatewayServices, snapshot: RuntimeSnapshot, tenant: str
+    store: StateStore, clock: Clock, snapshot: RuntimeSnapshot, tenant: str
 ) -> dict[str, Any]:
-    wall = services.clock.wall()
+    wall = clock.wall()
     policy = snapshot.tenants.get(tenant)
     keys = {period: period_key(period, wall) for period in (Period.DAY, Period.MONTH)}
-    usage = await services.store.tenant_usage(tenant, keys.values())
+    usage = await store.tenant_usage(tenant, keys.values())
     report: dict[str, Any] = {"object": "kvgate.usage", "tenant": tenant}
     for period, key in keys.items():
         by_model = {

@@ -1,0 +1,118 @@
+"""Settlement: the one path by which an admitted request releases its reservation and is
+charged, exactly once, whichever way it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from kvgate.config import SnapshotHolder
+from kvgate.lifecycle.billing import CutRequestCharge, ResponseReading, charged_usage
+from kvgate.lifecycle.leases import LeaseKeeper
+from kvgate.lifecycle.ticket import Ticket
+from kvgate.metrics import Metrics
+from kvgate.policy import ActualUsage, SettleCause, TenantPolicy, pico_to_usd
+from kvgate.policy.pricing import PICO_PER_USD
+from kvgate.store import StateStore
+
+log = logging.getLogger("kvgate.settle")
+
+Track = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+
+
+class Settler:
+    def __init__(
+        self,
+        *,
+        store: StateStore,
+        snapshots: SnapshotHolder,
+        metrics: Metrics,
+        leases: LeaseKeeper,
+        track: Track,
+    ) -> None:
+        self._store = store
+        self._snapshots = snapshots
+        self._metrics = metrics
+        self._leases = leases
+        self._track = track
+
+    def settle(
+        self, ticket: Ticket, cause: SettleCause, reading: ResponseReading
+    ) -> tuple[ActualUsage, asyncio.Task[None]]:
+        """Charge what the billing rule says and release the reservation. The store write
+        runs as a tracked task, so it lands even if the caller's stream is gone; returns
+        what was charged and that task."""
+        self._leases.release(ticket.reservation.reservation_id)
+        rule = CutRequestCharge(self._snapshots.current.config.server.cut_request_charge)
+        charged, metered = charged_usage(cause, reading, ticket.reservation, rule)
+        if not metered:
+            self._metrics.unmetered_settlements.labels(ticket.backend).inc()
+        if reading.usage is not None:
+            self._observe_prompt_count(ticket, reading.usage.prompt_tokens)
+        cost = ticket.pricing.cost(
+            charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
+        )
+        return charged, self._track(self._book(ticket, cause, charged, cost))
+
+    async def _book(
+        self, ticket: Ticket, cause: SettleCause, usage: ActualUsage, cost_pico: int
+    ) -> None:
+        reservation = ticket.reservation
+        request = reservation.request
+        tenant = self._snapshots.current.tenants.get(request.tenant) or TenantPolicy(
+            name=request.tenant
+        )
+        try:
+            settlement = await self._store.settle(
+                reservation, cause, usage, cost_pico=cost_pico, tenant=tenant
+            )
+        except Exception:
+            # Say loudly that this one was not recorded (the lease still expires).
+            log.exception("settlement failed", extra={"request_id": ticket.request_id})
+            return
+        if not settlement.applied:
+            return
+        m = self._metrics
+        if settlement.lease_expired:
+            m.late_settlements.labels(request.backend).inc()
+        m.settlements.labels(request.backend, cause.value).inc()
+        m.prompt_tokens.labels(request.tenant, request.model).inc(usage.prompt_tokens)
+        m.output_tokens.labels(request.tenant, request.model).inc(usage.output_tokens)
+        if usage.cached_tokens:
+            m.cached_tokens.labels(request.tenant, request.model).inc(usage.cached_tokens)
+        if cost_pico:
+            m.cost_usd.labels(request.tenant, request.model).inc(cost_pico / PICO_PER_USD)
+        used = usage.prompt_tokens + usage.output_tokens
+        m.reserved_unused_tokens.labels(request.backend).inc(max(0, reservation.kv_tokens - used))
+        # Per request: DEBUG (Envoy's access log is the per-request record).
+        log.debug(
+            "settled",
+            extra={
+                "request_id": ticket.request_id,
+                "tenant": request.tenant,
+                "model": request.model,
+                "cause": cause.value,
+                "prompt_tokens": usage.prompt_tokens,
+                "output_tokens": usage.output_tokens,
+                "reserved_tokens": reservation.kv_tokens,
+                "cost_usd": str(pico_to_usd(cost_pico)),
+            },
+        )
+
+    def _observe_prompt_count(self, ticket: Ticket, backend_prompt_tokens: int) -> None:
+        model = ticket.model
+        error = ticket.prompt_tokens - backend_prompt_tokens
+        self._metrics.prompt_count_error.labels(model).observe(error)
+        if error:
+            self._metrics.prompt_count_mismatches.labels(model).inc()
+            log.warning(
+                "prompt count differs from the backend's",
+                extra={
+                    "request_id": ticket.request_id,
+                    "model": model,
+                    "kvgate_prompt_tokens": ticket.prompt_tokens,
+                    "backend_prompt_tokens": backend_prompt_tokens,
+                },
+            )

@@ -1,0 +1,68 @@
+"""The ticket: one admitted request, carried unchanged from admission to settlement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvgate.config.snapshot import ModelRoute
+from kvgate.openai import ParsedRequest
+from kvgate.policy import Pricing, RateLimitView, Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """What admission decided for one request. Immutable: every later step reads it, none
+    copies its fields. After a budget fallback `route` is the model that serves it."""
+
+    reservation: Reservation
+    route: ModelRoute
+    request: ParsedRequest
+    # The client's x-request-id (logs, access log); the store keys on the reservation.
+    request_id: str
+    # Prompt tokens by kvgate's count (all prompts of a completions batch).
+    prompt_tokens: int
+    # The cap per sequence the engine may generate: what was reserved.
+    max_new_tokens: int
+    # Written into the forwarded body: the served model after a budget fallback.
+    new_model: str | None = None
+    # The tenant's rate limits after this admission (for x-ratelimit-* headers).
+    rate_limits: RateLimitView | None = None
+    # The model asked for, when a budget fallback serves another one.
+    fallback_from: str | None = None
+    # The cap asked for, when a budget clamp lowered it to max_new_tokens.
+    clamped_from: int | None = None
+    # kvgate asked the engine for the usage event the client did not ask for, so the
+    # response meter strips it again.
+    usage_injected: bool = False
+
+    @property
+    def tenant(self) -> str:
+        return self.reservation.request.tenant
+
+    @property
+    def model(self) -> str:
+        """The model that serves the request (after a fallback, not the one asked)."""
+        return self.reservation.request.model
+
+    @property
+    def backend(self) -> str:
+        return self.reservation.request.backend
+
+    @property
+    def pricing(self) -> Pricing:
+        return self.route.pricing
+
+    def with_usage_injected(self) -> Ticket:
+        """This ticket, for a request whose forwarded body asks for the usage event."""
+        return replace(self, usage_injected=True)
+
+    @property
+    def body_needs_cap(self) -> bool:
+        """Whether the reserved cap must be written into the forwarded body: whenever the
+        body does not already carry exactly it (no max_tokens, null, a clamp, both names
+        with different values)."""
+        request = self.request
+        exact = request.max_tokens_param is not None and request.max_new_tokens == (
+            self.max_new_tokens
+        )
+        return not exact or request.conflicting_caps
