@@ -3,7 +3,7 @@
 from kvgate.policy.admission import admit, precheck, settle_tenant
 from kvgate.policy.buckets import BucketSpec, TokenBucket
 from kvgate.policy.clock import Clock, ManualClock, MonotonicClock
-from kvgate.policy.kv import BackendLedger, ThroughputEstimate
+from kvgate.policy.kv import BackendLedger, BackendView, ThroughputEstimate
 from kvgate.policy.periods import Period, period_key, seconds_until_reset
 from kvgate.policy.pricing import Pricing, pico_to_usd, usd_to_pico
 from kvgate.policy.sizing import plan_new_tokens
@@ -38,6 +38,7 @@ __all__ = [
     "BackendLedger",
     "BackendLimits",
     "BackendStatus",
+    "BackendView",
     "BucketSpec",
     "BudgetAction",
     "BudgetRule",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvgate.policy import tenant as tenant_limits
-from kvgate.policy.kv import MIN_RETRY_AFTER_S, BackendLedger
+from kvgate.policy.kv import MIN_RETRY_AFTER_S, BackendView, check_backend
 from kvgate.policy.tenant import TenantPolicy, TenantState, Violation
 from kvgate.policy.types import (
     ActualUsage,
@@ -15,7 +15,7 @@ from kvgate.policy.types import (
 
 
 def _retry_after(
-    violation: Violation, backend: BackendLedger, tenant: str, now: float
+    violation: Violation, backend: BackendView, tenant: str, now: float
 ) -> float | None:
     if violation.frees_with_work:
         return backend.seconds_until_freed(now, kv_needed=0, slots_needed=1, tenant=tenant)
@@ -50,7 +50,7 @@ def _rejection(
 def admit(
     request: AdmissionRequest,
     *,
-    backend: BackendLedger,
+    backend: BackendView,
     policy: TenantPolicy,
     state: TenantState,
     reservation_id: str,
@@ -81,7 +81,7 @@ def admit(
         for v in violations
         if not v.shadow
     ]
-    backend_rejection = backend.check(request, now)
+    backend_rejection = check_backend(backend, request, now)
     if backend_rejection is not None:
         candidates.append(
             (backend_rejection.reason, backend_rejection.retry_after_s, backend_rejection.detail)
@@ -112,7 +112,7 @@ def admit(
 def precheck(
     lower_bound: AdmissionRequest,
     *,
-    backend: BackendLedger,
+    backend: BackendView,
     policy: TenantPolicy,
     state: TenantState,
     now: float,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from kvgate.policy.tenant import TenantHold
 from kvgate.policy.types import (
@@ -63,43 +64,13 @@ class BackendLedger:
     kv_tokens_in_flight: int = 0
     throughput: ThroughputEstimate = field(default_factory=ThroughputEstimate)
 
+    @property
+    def requests_in_flight(self) -> int:
+        return len(self.in_flight)
+
     def check(self, request: AdmissionRequest, now: float) -> Decision | None:
         """Why the request does not fit now, or None if it does. Changes nothing."""
-        kv_tokens = self.limits.round_to_blocks(request.cost_tokens)
-        if kv_tokens > self.limits.kv_budget_tokens:
-            # Waiting cannot help: even an idle backend could not hold this request.
-            return Decision(
-                admitted=False,
-                reason=Reason.REQUEST_EXCEEDS_KV_BUDGET,
-                detail=(
-                    f"This request needs {kv_tokens} KV tokens (prompt {request.prompt_tokens} "
-                    f"+ max new {request.max_new_tokens * request.choices}), more than backend "
-                    f"'{self.limits.name}' holds in total ({self.limits.kv_budget_tokens})."
-                ),
-            )
-        if len(self.in_flight) >= self.limits.max_concurrent_requests:
-            return Decision(
-                admitted=False,
-                reason=Reason.BACKEND_CONCURRENCY_LIMIT,
-                retry_after_s=self.seconds_until_freed(now, kv_needed=0, slots_needed=1),
-                detail=(
-                    f"Backend '{self.limits.name}' is at its limit of "
-                    f"{self.limits.max_concurrent_requests} concurrent requests."
-                ),
-            )
-        free = self.limits.kv_budget_tokens - self.kv_tokens_in_flight
-        if kv_tokens > free:
-            return Decision(
-                admitted=False,
-                reason=Reason.KV_BUDGET_EXHAUSTED,
-                retry_after_s=self.seconds_until_freed(now, kv_needed=kv_tokens - free),
-                detail=(
-                    f"Backend '{self.limits.name}' has {free} of "
-                    f"{self.limits.kv_budget_tokens} KV tokens free; this request needs "
-                    f"{kv_tokens}."
-                ),
-            )
-        return None
+        return check_backend(self, request, now)
 
     def commit(
         self,
@@ -109,17 +80,9 @@ class BackendLedger:
         lease_ttl_s: float,
         hold: TenantHold | None = None,
     ) -> Reservation:
-        kv_tokens = self.limits.round_to_blocks(request.cost_tokens)
-        reservation = Reservation(
-            reservation_id=reservation_id,
-            request=request,
-            kv_tokens=kv_tokens,
-            started_at=now,
-            expires_at=now + lease_ttl_s,
-            hold=hold,
-        )
+        reservation = new_reservation(self.limits, request, reservation_id, now, lease_ttl_s, hold)
         self.in_flight[reservation_id] = reservation
-        self.kv_tokens_in_flight += kv_tokens
+        self.kv_tokens_in_flight += reservation.kv_tokens
         return reservation
 
     def try_reserve(
@@ -188,3 +151,86 @@ class BackendLedger:
             if freed_kv >= kv_needed and freed_slots >= slots_needed:
                 break
         return float(max(MIN_RETRY_AFTER_S, math.ceil(wait)))
+
+
+class BackendView(Protocol):
+    """What admission reads of one backend: the in-memory ledger, or the state the Redis
+    reserve script saw (which also made the reservation)."""
+
+    limits: BackendLimits
+    kv_tokens_in_flight: int
+
+    @property
+    def requests_in_flight(self) -> int: ...
+
+    def seconds_until_freed(
+        self, now: float, kv_needed: int, slots_needed: int = 0, tenant: str | None = None
+    ) -> float: ...
+
+    def commit(
+        self,
+        request: AdmissionRequest,
+        reservation_id: str,
+        now: float,
+        lease_ttl_s: float,
+        hold: TenantHold | None = None,
+    ) -> Reservation:
+        """Record the admitted request's reservation and return it."""
+        ...
+
+
+def new_reservation(
+    limits: BackendLimits,
+    request: AdmissionRequest,
+    reservation_id: str,
+    now: float,
+    lease_ttl_s: float,
+    hold: TenantHold | None = None,
+) -> Reservation:
+    return Reservation(
+        reservation_id=reservation_id,
+        request=request,
+        kv_tokens=limits.round_to_blocks(request.cost_tokens),
+        started_at=now,
+        expires_at=now + lease_ttl_s,
+        hold=hold,
+    )
+
+
+def check_backend(backend: BackendView, request: AdmissionRequest, now: float) -> Decision | None:
+    """Why the request does not fit the backend now, or None if it does. Changes nothing."""
+    kv_tokens = backend.limits.round_to_blocks(request.cost_tokens)
+    if kv_tokens > backend.limits.kv_budget_tokens:
+        # Waiting cannot help: even an idle backend could not hold this request.
+        return Decision(
+            admitted=False,
+            reason=Reason.REQUEST_EXCEEDS_KV_BUDGET,
+            detail=(
+                f"This request needs {kv_tokens} KV tokens (prompt {request.prompt_tokens} "
+                f"+ max new {request.max_new_tokens * request.choices}), more than backend "
+                f"'{backend.limits.name}' holds in total ({backend.limits.kv_budget_tokens})."
+            ),
+        )
+    if backend.requests_in_flight >= backend.limits.max_concurrent_requests:
+        return Decision(
+            admitted=False,
+            reason=Reason.BACKEND_CONCURRENCY_LIMIT,
+            retry_after_s=backend.seconds_until_freed(now, kv_needed=0, slots_needed=1),
+            detail=(
+                f"Backend '{backend.limits.name}' is at its limit of "
+                f"{backend.limits.max_concurrent_requests} concurrent requests."
+            ),
+        )
+    free = backend.limits.kv_budget_tokens - backend.kv_tokens_in_flight
+    if kv_tokens > free:
+        return Decision(
+            admitted=False,
+            reason=Reason.KV_BUDGET_EXHAUSTED,
+            retry_after_s=backend.seconds_until_freed(now, kv_needed=kv_tokens - free),
+            detail=(
+                f"Backend '{backend.limits.name}' has {free} of "
+                f"{backend.limits.kv_budget_tokens} KV tokens free; this request needs "
+                f"{kv_tokens}."
+            ),
+        )
+    return None

@@ -36,7 +36,6 @@ from redis.retry import Retry
 from kvgate.policy import (
     ActualUsage,
     AdmissionRequest,
-    BackendLedger,
     BackendLimits,
     BackendStatus,
     Clock,
@@ -55,6 +54,7 @@ from kvgate.policy import (
     period_key,
     precheck,
 )
+from kvgate.policy.kv import new_reservation
 from kvgate.policy.tenant import TENANT_SCOPE, ScopeState
 from kvgate.store.base import (
     ABANDON_RETENTION_S,
@@ -167,27 +167,14 @@ class StoreInconsistency(RuntimeError):
     """The script and the policy disagree about a decision (a bug, never expected)."""
 
 
-class _Occupied(dict[str, Reservation]):
-    """Stands in for a backend's in-flight map when only its size is known."""
-
-    def __init__(self, count: int) -> None:
-        super().__init__()
-        self._count = count
-
-    def __len__(self) -> int:
-        return self._count
-
-
-class _BackendView(BackendLedger):
-    """A backend as the reserve script saw it: counts and the Retry-After estimates the
-    script computed over the in-flight leases (policy `seconds_until_freed`)."""
+class _BackendView:
+    """A backend as the reserve script saw it (policy `BackendView`): its counts, and the
+    Retry-After estimates the script computed over the in-flight leases."""
 
     def __init__(self, limits: BackendLimits, result: Mapping[str, Any]) -> None:
-        super().__init__(
-            limits=limits,
-            in_flight=_Occupied(int(result["n"])),
-            kv_tokens_in_flight=int(result["kvin"]),
-        )
+        self.limits = limits
+        self.requests_in_flight = int(result["n"])
+        self.kv_tokens_in_flight = int(result["kvin"])
         self._waits = {k: float(result[k]) for k in ("w_slot", "w_kv", "w_tenant") if k in result}
 
     def seconds_until_freed(
@@ -202,6 +189,17 @@ class _BackendView(BackendLedger):
             return self._waits[key]
         except KeyError:
             raise StoreInconsistency(f"the reserve script did not estimate {key}") from None
+
+    def commit(
+        self,
+        request: AdmissionRequest,
+        reservation_id: str,
+        now: float,
+        lease_ttl_s: float,
+        hold: TenantHold | None = None,
+    ) -> Reservation:
+        # The script made the reservation already; this is its record.
+        return new_reservation(self.limits, request, reservation_id, now, lease_ttl_s, hold)
 
 
 def _rule(limits: ScopeLimits, key: str) -> dict[str, Any]:
