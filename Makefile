@@ -26,16 +26,16 @@ up: install demo-model
 	$(BIN)/python tools/up.py
 
 test: install demo-model
-	$(BIN)/ruff check src sim tests tools bench deploy
-	$(BIN)/ruff format --check src sim tests tools bench deploy
+	$(BIN)/ruff check src sim testbed tests tools bench deploy
+	$(BIN)/ruff format --check src sim testbed tests tools bench deploy
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check src sim tests tools bench deploy
+	$(BIN)/ruff check src sim testbed tests tools bench deploy
 
 format: install
-	$(BIN)/ruff format src sim tests tools bench deploy
-	$(BIN)/ruff check --fix src sim tests tools bench deploy
+	$(BIN)/ruff format src sim testbed tests tools bench deploy
+	$(BIN)/ruff check --fix src sim testbed tests tools bench deploy
 
 clean:
 	rm -rf $(VENV) var build *.egg-info

@@ -3,7 +3,7 @@ one small backend, through the real stack (Envoy -> kvgate -> the vLLM simulator
 
     .venv/bin/python -m bench.hostile_tenant [--duration 75] [--out var/bench/hostile-tenant]
 
-One Stack (tests/e2e/harness.py: envoy/envoy.yaml, kvgate with the in-memory store, one
+One Stack (testbed/harness.py: envoy/envoy.yaml, kvgate with the in-memory store, one
 simulator) on free loopback ports. The backend has a 16,384-token KV budget (1,024 blocks
 of 16, max_model_len 4,096); kvgate's budget for it is the same. kvgate runs with
 server.log_level DEBUG so it writes one JSON line per settled request (its charge per
@@ -61,8 +61,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.prompts import prompt_text
 from bench.stats import percentile
-from tests.demo_model import demo_model_dir
-from tests.e2e.harness import REPO_ROOT, SimOptions, Stack
+from testbed.demo_model import demo_model_dir
+from testbed.harness import REPO_ROOT, SimOptions, Stack
 
 MODEL = "qwen2.5-demo"
 BACKEND = "vllm-local"

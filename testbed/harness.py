@@ -1,4 +1,5 @@
-"""Process harness for end-to-end tests: the vLLM simulator, kvgate and the real Envoy.
+"""Process harness for end-to-end tests and benchmarks: the vLLM simulator, kvgate and the
+real Envoy.
 
 Everything listens on 127.0.0.1 on free ports, logs to files in a per-stack directory, and
 is torn down (SIGTERM, then SIGKILL) when the stack stops. When a process fails to come up,
@@ -33,7 +34,9 @@ from typing import Any, Self
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from testbed.demo_model import demo_model_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 ENVOY_CONFIG = REPO_ROOT / "envoy" / "envoy.yaml"
 VENV_BIN = REPO_ROOT / ".venv" / "bin"
 DEFAULT_MODEL_DIR = REPO_ROOT / "var" / "models" / "qwen2.5-demo"
@@ -434,11 +437,7 @@ def default_backends() -> list[dict[str, Any]]:
 
 
 def _demo_model_dir() -> Path:
-    """The shared demo tokenizer dir, built on first use (tests/demo_model.py)."""
-    try:
-        from tests.demo_model import demo_model_dir
-    except ImportError:
-        return DEFAULT_MODEL_DIR
+    """The shared demo tokenizer dir, built on first use (testbed/demo_model.py)."""
     return demo_model_dir()
 
 

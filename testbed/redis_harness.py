@@ -26,7 +26,7 @@ from typing import Any, Self
 import redis
 import yaml
 
-from tests.e2e.harness import (
+from testbed.harness import (
     EXTPROC_CLUSTER,
     ManagedProcess,
     MetricSamples,

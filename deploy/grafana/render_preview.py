@@ -1,6 +1,6 @@
 """Render what the kvgate Grafana dashboard shows, from a real run, as one PNG.
 
-Starts the local stack (vLLM simulator + kvgate + the real Envoy, tests/e2e/harness.py),
+Starts the local stack (vLLM simulator + kvgate + the real Envoy, testbed/harness.py),
 drives a scripted mixed load for about 30 s (two tenants, a KV-budget squeeze, a tenant over
 its TPM limit, bad keys, client disconnects), scrapes kvgate's /metrics every second and
 plots the series of the dashboard's panels (deploy/grafana/kvgate-dashboard.json) the way
@@ -36,8 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.demo_model import DEMO_MODEL_NAME, demo_model_dir  # noqa: E402
-from tests.e2e.harness import MetricSamples, SimOptions, Stack  # noqa: E402
+from testbed.demo_model import DEMO_MODEL_NAME, demo_model_dir  # noqa: E402
+from testbed.harness import MetricSamples, SimOptions, Stack  # noqa: E402
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "kvgate-dashboard.json"
 DEFAULT_OUT = REPO_ROOT / "docs" / "img" / "dashboard-preview.png"

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from kvgate.capacity.backpressure import REASON_KV_CACHE_FULL, BackpressurePolicy
 from kvgate.capacity.discovery import CapacityMonitor
 from kvgate.policy.clock import ManualClock
-from tests.demo_model import DEMO_MODEL_NAME, demo_model_dir
+from testbed.demo_model import DEMO_MODEL_NAME, demo_model_dir
 from vllm_sim import SimConfig, create_app
 from vllm_sim.tokenization import SimTokenizer
 

@@ -39,7 +39,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from kvgate.config import parse_config
 from kvgate.metrics import Metrics
-from tests.e2e.harness import (
+from testbed.harness import (
     ENVOY_CONFIG,
     REPO_ROOT,
     ManagedProcess,

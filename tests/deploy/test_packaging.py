@@ -1,4 +1,5 @@
-"""What kvgate's runtime distribution (the wheel, hence the image) carries: kvgate only.
+"""What kvgate's runtime distribution (the wheel, hence the image) carries: kvgate only;
+what may import what outside it (tests/, testbed/, bench/).
 
 The vLLM simulator is a test double with its own distribution (`sim/`, `vllm-sim`), installed
 next to kvgate for development by the Makefile; it must not come back into the runtime wheel.
@@ -6,6 +7,7 @@ next to kvgate for development by the Makefile; it must not come back into the r
 
 from __future__ import annotations
 
+import ast
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -43,3 +45,33 @@ def test_simulator_is_its_own_distribution() -> None:
     assert (REPO_ROOT / "sim" / "src" / "vllm_sim" / "__init__.py").is_file()
     # The development install brings it (the e2e harness and `make up` run `vllm-sim`).
     assert "-e ./sim" in (REPO_ROOT / "Makefile").read_text(encoding="utf-8")
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_testbed_and_bench_do_not_import_tests() -> None:
+    """The process test bed (testbed/) is shared by tests/ and bench/; neither it nor the
+    benchmarks reach into tests/, and the store tests do not borrow the e2e harness."""
+    offenders = [
+        f"{path.relative_to(REPO_ROOT)}: {name}"
+        for folder in ("testbed", "bench", "deploy", "tools")
+        for path in sorted((REPO_ROOT / folder).rglob("*.py"))
+        for name in _imports(path)
+        if name == "tests" or name.startswith("tests.")
+    ]
+    offenders += [
+        f"{path.relative_to(REPO_ROOT)}: {name}"
+        for path in sorted((REPO_ROOT / "tests" / "store").rglob("*.py"))
+        for name in _imports(path)
+        if name.startswith("tests.e2e")
+    ]
+    assert offenders == []

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import Stack
+from testbed.harness import Stack
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from kvgate.tokenize import PromptCounter
-from tests.demo_model import demo_model_dir
-from tests.e2e.harness import (
+from testbed.demo_model import demo_model_dir
+from testbed.harness import (
     DEFAULT_BACKEND,
     DEFAULT_MODEL_NAME,
     DEMO_API_KEY,

@@ -38,8 +38,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.test_manifests import NOT_ADMITTED, istio_inbound_bootstrap, shipped_bootstraps
-from tests.e2e.harness import (
+from testbed.harness import (
     DEFAULT_MODEL_NAME,
     DEMO_API_KEY,
     DEMO_TENANT,
@@ -55,6 +54,7 @@ from tests.e2e.harness import (
     tenant_totals,
     wait_until,
 )
+from tests.deploy.test_manifests import NOT_ADMITTED, istio_inbound_bootstrap, shipped_bootstraps
 
 MODEL = DEFAULT_MODEL_NAME
 CHAT = "/v1/chat/completions"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.harness import (
+from testbed.harness import (
     ENVOY_CONFIG,
     EXTPROC_CLUSTER,
     REPO_ROOT,

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.demo_model import demo_model_dir
-from tests.e2e.harness import (
+from testbed.demo_model import demo_model_dir
+from testbed.harness import (
     DEFAULT_BACKEND,
     DEFAULT_MODEL_NAME,
     SimOptions,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.harness import Stack, sha256_hex
+from testbed.harness import Stack, sha256_hex
 
 MODEL = "qwen2.5-demo"
 

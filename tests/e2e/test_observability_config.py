@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.harness import DEFAULT_MODEL_NAME, REPO_ROOT, SimOptions, Stack
+from testbed.harness import DEFAULT_MODEL_NAME, REPO_ROOT, SimOptions, Stack
 
 OBSERVABILITY_CONFIG = REPO_ROOT / "envoy" / "envoy-observability.yaml"
 CHAT = "/v1/chat/completions"

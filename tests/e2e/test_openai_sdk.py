@@ -20,8 +20,8 @@ import pytest
 from openai import OpenAI
 
 from kvgate.tokenize import PromptCounter
-from tests.demo_model import demo_model_dir
-from tests.e2e.harness import (
+from testbed.demo_model import demo_model_dir
+from testbed.harness import (
     DEFAULT_BACKEND,
     DEFAULT_MODEL_NAME,
     DEMO_TENANT,

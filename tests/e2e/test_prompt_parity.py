@@ -18,8 +18,8 @@ import pytest
 
 from kvgate.openai import parse_request
 from kvgate.tokenize import PromptCounter
-from tests.demo_model import REPO_ROOT, demo_model_dir
-from tests.e2e.harness import DEFAULT_MODEL_NAME, Stack, kvgate_metrics
+from testbed.demo_model import REPO_ROOT, demo_model_dir
+from testbed.harness import DEFAULT_MODEL_NAME, Stack, kvgate_metrics
 
 CORPUS: list[dict[str, Any]] = json.loads(
     (REPO_ROOT / "tests" / "corpus" / "chat_requests.json").read_text("utf-8")

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.demo_model import demo_model_dir
-from tests.e2e.harness import wait_until
-from tests.e2e.redis_harness import RedisStack
+from testbed.demo_model import demo_model_dir
+from testbed.harness import wait_until
+from testbed.redis_harness import RedisStack
 
 MODEL = "qwen2.5-demo"
 LEASE_TTL_S = 3.0

@@ -48,9 +48,9 @@ from typing import Any, Self, TypeVar
 import httpx
 import pytest
 
-from tests.demo_model import demo_model_dir
-from tests.e2e.harness import DEFAULT_BACKEND, Stack, kvgate_metrics
-from tests.e2e.redis_harness import RedisServer
+from testbed.demo_model import demo_model_dir
+from testbed.harness import DEFAULT_BACKEND, Stack, kvgate_metrics
+from testbed.redis_harness import RedisServer
 
 _T = TypeVar("_T")
 

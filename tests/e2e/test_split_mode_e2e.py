@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.harness import REPO_ROOT, SimOptions, Stack
+from testbed.harness import REPO_ROOT, SimOptions, Stack
 
 CONFIG = REPO_ROOT / "envoy" / "envoy-observability.yaml"
 MODEL = "qwen2.5-demo"

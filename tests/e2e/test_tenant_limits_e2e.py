@@ -14,8 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.demo_model import demo_model_dir
-from tests.e2e.harness import Stack
+from testbed.demo_model import demo_model_dir
+from testbed.harness import Stack
 
 MODEL = "qwen2.5-demo"
 SMALL = "small-demo"

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvgate.app import KvgateServer
 from kvgate.config import hash_api_key, parse_config
-from tests.demo_model import demo_model_dir
+from testbed.demo_model import demo_model_dir
 
 API_KEY = "sk-test-session"
 

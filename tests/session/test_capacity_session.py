@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from kvgate.config import parse_config
-from tests.demo_model import DEMO_MODEL_NAME, demo_model_dir
+from testbed.demo_model import DEMO_MODEL_NAME, demo_model_dir
 from tests.session.conftest import _rig, body_msg, headers_msg, make_config
 from vllm_sim import SimConfig, create_app
 

@@ -29,7 +29,7 @@ from kvgate.config import (
 from kvgate.metrics import Metrics
 from kvgate.reload import FIELD_CLASSES, RELOAD, RESTART, ConfigReloader
 from kvgate.tokenize import PromptCounter, TokenizerService
-from tests.demo_model import demo_model_dir
+from testbed.demo_model import demo_model_dir
 from tests.session.conftest import (
     SessionRig,
     body_msg,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.demo_model import DEMO_MODEL_NAME, demo_model_dir
+from testbed.demo_model import DEMO_MODEL_NAME, demo_model_dir
 from vllm_sim import SimConfig, create_app
 from vllm_sim.tokenization import SimTokenizer
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from tests.demo_model import DEMO_MODEL_NAME
+from testbed.demo_model import DEMO_MODEL_NAME
 
 MODEL = DEMO_MODEL_NAME
 CHAT = "/v1/chat/completions"

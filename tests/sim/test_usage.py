@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from tests.demo_model import REPO_ROOT
+from testbed.demo_model import REPO_ROOT
 from tests.sim.helpers import CHAT, COMPLETIONS, MODEL, chat_body
 
 CORPUS = json.loads((REPO_ROOT / "tests" / "corpus" / "chat_requests.json").read_text("utf-8"))

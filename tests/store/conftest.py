@@ -20,7 +20,7 @@ from kvgate.policy import ManualClock
 from kvgate.store import FailurePolicy, FallbackStore, MemoryStore, StateStore
 from kvgate.store.base import ExpiredLeaseHook
 from kvgate.store.redis_store import RedisStore
-from tests.e2e.redis_harness import RedisClusterNodes
+from testbed.redis_harness import RedisClusterNodes
 
 REDIS_URL = os.environ.get("KVGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

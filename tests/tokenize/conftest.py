@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvgate.tokenize import PromptCounter
-from tests.demo_model import DEMO_MODEL_NAME, REPO_ROOT, demo_model_dir
+from testbed.demo_model import DEMO_MODEL_NAME, REPO_ROOT, demo_model_dir
 
 CORPUS_PATH = REPO_ROOT / "tests" / "corpus" / "chat_requests.json"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tests.demo_model import build_script
+from testbed.demo_model import build_script
 
 MULTILINGUAL = [
     "Hello, world! How's it going? I'll be there; we've done it, they'd said.",
