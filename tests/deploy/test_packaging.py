@@ -75,3 +75,13 @@ def test_testbed_and_bench_do_not_import_tests() -> None:
         if name.startswith("tests.e2e")
     ]
     assert offenders == []
+
+
+def test_package_data_globs_match_files() -> None:
+    """Every package-data pattern ships something (a pattern matching nothing is a stale
+    claim about what the wheel holds)."""
+    project = _toml(REPO_ROOT / "pyproject.toml")
+    for package, patterns in project["tool"]["setuptools"]["package-data"].items():
+        root = REPO_ROOT / "src" / package.replace(".", "/")
+        for pattern in patterns:
+            assert list(root.glob(pattern)), f"{package}: {pattern} matches nothing"

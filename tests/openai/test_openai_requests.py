@@ -14,9 +14,6 @@ from kvgate.openai import (
     parse_request,
     request_kind,
     rewrite_body,
-    with_forced_usage,
-    with_max_tokens,
-    with_model,
 )
 
 CHAT = "/v1/chat/completions"
@@ -431,12 +428,12 @@ def test_parsed_request_is_frozen() -> None:
 # --------------------------------------------------------------------------- rewriting
 
 
-def test_with_forced_usage_preserves_other_options_and_does_not_mutate() -> None:
+def test_force_usage_preserves_other_options_and_does_not_mutate() -> None:
     req = parse_request(
         CHAT, chat(stream=True, stream_options={"continuous_usage_stats": False, "x": 1})
     )
     original = json.dumps(req.body)
-    out = with_forced_usage(req.body)
+    out = rewrite_body(req.body, force_usage=True)
     assert json.loads(out)["stream_options"] == {
         "continuous_usage_stats": False,
         "x": 1,
@@ -447,21 +444,22 @@ def test_with_forced_usage_preserves_other_options_and_does_not_mutate() -> None
     assert parse_request(CHAT, out).include_usage_requested is True
 
 
-def test_with_forced_usage_adds_stream_options_and_overrides_false() -> None:
-    out = json.loads(with_forced_usage(json.loads(chat(stream=True))))
+def test_force_usage_adds_stream_options_and_overrides_false() -> None:
+    out = json.loads(rewrite_body(json.loads(chat(stream=True)), force_usage=True))
     assert out["stream_options"] == {"include_usage": True}
     body = json.loads(chat(stream=True, stream_options={"include_usage": False}))
-    assert json.loads(with_forced_usage(body))["stream_options"] == {"include_usage": True}
+    out = json.loads(rewrite_body(body, force_usage=True))
+    assert out["stream_options"] == {"include_usage": True}
 
 
-def test_with_forced_usage_is_noop_without_stream() -> None:
+def test_force_usage_is_noop_without_stream() -> None:
     body = json.loads(chat())
-    assert "stream_options" not in json.loads(with_forced_usage(body))
+    assert "stream_options" not in json.loads(rewrite_body(body, force_usage=True))
 
 
 def test_output_is_compact_utf8() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "世界 🎉"}], "stream": True}
-    out = with_forced_usage(body)
+    out = rewrite_body(body, force_usage=True)
     assert (
         out
         == (
@@ -471,9 +469,9 @@ def test_output_is_compact_utf8() -> None:
     )
 
 
-def test_with_model() -> None:
+def test_rewrite_model() -> None:
     body = json.loads(chat())
-    assert json.loads(with_model(body, "real-model"))["model"] == "real-model"
+    assert json.loads(rewrite_body(body, model="real-model"))["model"] == "real-model"
     assert body["model"] == "m"
 
 
@@ -489,14 +487,14 @@ def test_with_model() -> None:
          {"max_completion_tokens": 9, "max_tokens": 9}),
     ],
 )  # fmt: skip
-def test_with_max_tokens_chat(fields: dict[str, Any], expected: dict[str, Any]) -> None:
-    out = json.loads(with_max_tokens(json.loads(chat(**fields)), 9))
+def test_cap_max_tokens_chat(fields: dict[str, Any], expected: dict[str, Any]) -> None:
+    out = json.loads(rewrite_body(json.loads(chat(**fields)), max_tokens=9))
     for key in ("max_tokens", "max_completion_tokens"):
         assert out.get(key, "absent") == expected.get(key, "absent")
 
 
-def test_with_max_tokens_completions_always_uses_max_tokens() -> None:
-    out = json.loads(with_max_tokens(json.loads(comp(max_completion_tokens=100)), 9))
+def test_cap_max_tokens_completions_always_uses_max_tokens() -> None:
+    out = json.loads(rewrite_body(json.loads(comp(max_completion_tokens=100)), max_tokens=9))
     assert out["max_tokens"] == 9
     assert out["max_completion_tokens"] == 100
 
@@ -518,5 +516,5 @@ def test_rewrite_rejects_bad_max_tokens(bad: Any) -> None:
 
 
 def test_rewrite_escapes_lone_surrogates_instead_of_failing() -> None:
-    out = with_model({"model": "m", "x": "\ud800"}, "y")
+    out = rewrite_body({"model": "m", "x": "\ud800"}, model="y")
     assert json.loads(out) == {"model": "y", "x": "\ud800"}

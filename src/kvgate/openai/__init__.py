@@ -12,7 +12,6 @@ from .errors import (
     method_not_allowed,
     missing_api_key,
     model_not_found,
-    payload_too_large,
     rate_limited,
     service_unavailable,
     unsupported_path,
@@ -27,9 +26,6 @@ from .requests import (
     parse_request,
     request_kind,
     rewrite_body,
-    with_forced_usage,
-    with_max_tokens,
-    with_model,
 )
 from .responses import JsonUsageScanner, Usage, usage_from_json_body, usage_from_mapping
 from .sse import SseStreamFilter
@@ -52,7 +48,6 @@ __all__ = [
     "missing_api_key",
     "model_not_found",
     "parse_request",
-    "payload_too_large",
     "rate_limited",
     "request_kind",
     "rewrite_body",
@@ -60,7 +55,4 @@ __all__ = [
     "unsupported_path",
     "usage_from_json_body",
     "usage_from_mapping",
-    "with_forced_usage",
-    "with_max_tokens",
-    "with_model",
 ]

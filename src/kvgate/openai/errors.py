@@ -27,7 +27,6 @@ __all__ = [
     "method_not_allowed",
     "missing_api_key",
     "model_not_found",
-    "payload_too_large",
     "rate_limited",
     "service_unavailable",
     "unsupported_path",
@@ -185,13 +184,6 @@ def context_length_exceeded(
             f"the {what}."
         )
     return ApiError(400, message, INVALID_REQUEST_ERROR, "context_length_exceeded", param)
-
-
-def payload_too_large(limit_bytes: int | None = None) -> ApiError:
-    """413: the request body is larger than kvgate will buffer or parse."""
-    message = "Request body is too large"
-    message += f" (limit {limit_bytes} bytes)." if limit_bytes is not None else "."
-    return ApiError(413, message, INVALID_REQUEST_ERROR, "payload_too_large", None)
 
 
 def unsupported_path(path: str, method: str = "POST") -> ApiError:

@@ -39,9 +39,6 @@ __all__ = [
     "prompt_lower_bound",
     "request_kind",
     "rewrite_body",
-    "with_forced_usage",
-    "with_max_tokens",
-    "with_model",
 ]
 
 RequestKind = Literal["chat", "completion"]
@@ -764,18 +761,3 @@ def rewrite_body(
         options["include_usage"] = True
         out["stream_options"] = options
     return _dump(out)
-
-
-def with_forced_usage(body: dict[str, Any]) -> bytes:
-    """``body`` with ``stream_options.include_usage = true`` (see :func:`rewrite_body`)."""
-    return rewrite_body(body, force_usage=True)
-
-
-def with_model(body: dict[str, Any], model: str) -> bytes:
-    """``body`` with ``model`` replaced."""
-    return rewrite_body(body, model=model)
-
-
-def with_max_tokens(body: dict[str, Any], n: int) -> bytes:
-    """``body`` with its generation cap set to ``n`` (see :func:`rewrite_body`)."""
-    return rewrite_body(body, max_tokens=n)
