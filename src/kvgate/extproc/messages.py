@@ -15,6 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvgate.openai import errors as api_errors
+
 METADATA_NAMESPACE = "kvgate"
 
 _Mode = processing_mode_pb2.ProcessingMode
@@ -141,7 +143,7 @@ def immediate_response(
     details: str = "",
     dynamic_metadata: Mapping[str, Any] | None = None,
 ) -> pb.ProcessingResponse:
-    all_headers = {"content-type": "application/json"}
+    all_headers = {"content-type": api_errors.CONTENT_TYPE}
     all_headers.update(headers or {})
     response = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(

@@ -323,11 +323,6 @@ class _JsonScan:
         return self._mode == _M_DONE
 
     @property
-    def is_object(self) -> bool:
-        """The input is (so far) a JSON object."""
-        return self._mode != _M_DEAD
-
-    @property
     def buffered_bytes(self) -> int:
         """Bytes held besides retained text: a captured value and a partial key."""
         held = len(self._cap)

@@ -55,10 +55,6 @@ class Pricing:
             output=price_per_token_pico(output_usd),
         )
 
-    @property
-    def is_free(self) -> bool:
-        return self.input == 0 and self.cached_input == 0 and self.output == 0
-
     def cost(self, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> int:
         """Cost of actual usage; cached prompt tokens are billed at the cached price."""
         cached = min(max(0, cached_tokens), prompt_tokens)
