@@ -20,6 +20,8 @@ from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.handoff import HandoffRegistry
+from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler
+from kvgate.lifecycle.leases import renew_interval_s
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.http import create_http_app
@@ -68,6 +70,12 @@ class KvgateServer:
         self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
         self.capacity = CapacityRegistry()
+        tasks = BackgroundTasks()
+        leases = LeaseKeeper(
+            self.store,
+            self.metrics,
+            lambda: renew_interval_s(self.snapshots.current.config.server.lease_ttl_s),
+        )
         self.services = GatewayServices(
             snapshots=self.snapshots,
             store=self.store,
@@ -76,6 +84,15 @@ class KvgateServer:
             clock=self.clock,
             capacity=self.capacity,
             handoffs=HandoffRegistry(),
+            tasks=tasks,
+            leases=leases,
+            settler=Settler(
+                store=self.store,
+                snapshots=self.snapshots,
+                metrics=self.metrics,
+                leases=leases,
+                track=tasks.track,
+            ),
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None

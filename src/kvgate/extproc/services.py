@@ -13,6 +13,7 @@ from kvgate.config.snapshot import RuntimeSnapshot
 from kvgate.extproc.handoff import HandoffRegistry
 from kvgate.lifecycle import (
     Admission,
+    BackgroundTasks,
     LeaseKeeper,
     PromptTokenizers,
     ResponseReading,
@@ -33,6 +34,9 @@ class FairTokenizers(PromptTokenizers, Protocol):
 
 
 class GatewayServices:
+    """What a stream session works with. Built by the composition root (app.py), which
+    creates every concrete part; this only holds them and offers the session's helpers."""
+
     def __init__(
         self,
         *,
@@ -43,6 +47,9 @@ class GatewayServices:
         clock: Clock,
         capacity: CapacityRegistry,
         handoffs: HandoffRegistry,
+        tasks: BackgroundTasks,
+        leases: LeaseKeeper,
+        settler: Settler,
     ) -> None:
         self.snapshots = snapshots
         self.store = store
@@ -51,17 +58,10 @@ class GatewayServices:
         self.clock = clock
         self.capacity = capacity
         self.handoffs = handoffs
-        self.leases = LeaseKeeper(store, metrics, lambda: self.lease_renew_interval_s)
-        self.settler = Settler(
-            store=store, snapshots=snapshots, metrics=metrics, leases=self.leases, track=self.track
-        )
+        self.tasks = tasks
+        self.leases = leases
+        self.settler = settler
         self.shutting_down = False
-        self._background: set[asyncio.Task[None]] = set()
-
-    @property
-    def lease_renew_interval_s(self) -> float:
-        # Renew well before expiry: a lease survives two missed renewals.
-        return self.snapshots.current.config.server.lease_ttl_s / 3
 
     def admission(self, snapshot: RuntimeSnapshot) -> Admission:
         return Admission(
@@ -75,10 +75,7 @@ class GatewayServices:
 
     def track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run work that must finish even though its stream is gone; shutdown waits for it."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return self.tasks.track(coro)
 
     def settle_unclaimed(self, ticket: Ticket) -> None:
         """A split-layout hand-off no observing stream claimed. Envoy opens that stream with
@@ -113,6 +110,4 @@ class GatewayServices:
     async def drain(self, timeout_s: float) -> None:
         """Wait for settlements still running (shutdown)."""
         self.leases.close()
-        pending = set(self._background)
-        if pending:
-            await asyncio.wait(pending, timeout=timeout_s)
+        await self.tasks.drain(timeout_s)

@@ -6,6 +6,7 @@
 - `billing.py`: the one rule for what a request is charged, by how it ended;
 - `settlement.py`: the one path that releases a reservation and books the charge, once;
 - `leases.py`: keeps an open request's lease alive;
+- `tasks.py`: work that outlives its stream (settlements), awaited at shutdown;
 - `usage_report.py`: a tenant's usage for today and this month.
 """
 
@@ -20,10 +21,12 @@ from kvgate.lifecycle.billing import CutRequestCharge, ResponseReading, charged_
 from kvgate.lifecycle.leases import LeaseKeeper
 from kvgate.lifecycle.meter import ResponseMeter
 from kvgate.lifecycle.settlement import Settler
+from kvgate.lifecycle.tasks import BackgroundTasks
 from kvgate.lifecycle.ticket import Ticket
 
 __all__ = [
     "Admission",
+    "BackgroundTasks",
     "ContextOverflow",
     "CutRequestCharge",
     "LeaseKeeper",

@@ -15,6 +15,11 @@ from kvgate.store import StateStore
 log = logging.getLogger("kvgate.lease")
 
 
+def renew_interval_s(lease_ttl_s: float) -> float:
+    """Renew well before expiry: a lease survives two missed renewals."""
+    return lease_ttl_s / 3
+
+
 class LeaseKeeper:
     def __init__(
         self, store: StateStore, metrics: Metrics, interval_s: Callable[[], float]
