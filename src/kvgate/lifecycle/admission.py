@@ -159,18 +159,16 @@ class Admission:
         if decision.reason is Reason.BUDGET_EXCEEDED:
             if tenant.budget_action is BudgetAction.CLAMP:
                 clamped = await self._clamp(
-                    request, tenant, sized, decision, admission_id, slot_taken
+                    request, tenant, sized, decision, request_id, admission_id, slot_taken
                 )
                 if clamped is not None:
-                    decision, sized, notice = clamped
-                    return self._ticket(decision, sized, request, request_id, **notice)
+                    return clamped
             elif tenant.budget_action is BudgetAction.FALLBACK and tenant.fallback_model:
                 fallen = await self._fall_back(
-                    request, tenant, tenant.fallback_model, admission_id, slot_taken
+                    request, tenant, tenant.fallback_model, request_id, admission_id, slot_taken
                 )
                 if fallen is not None:
-                    decision, sized, notice = fallen
-                    return self._ticket(decision, sized, request, request_id, **notice)
+                    return fallen
         raise Rejected(rejection_of(decision))
 
     # ------------------------------------------------------------------ steps
@@ -426,9 +424,10 @@ class Admission:
         tenant: TenantPolicy,
         sized: _Sized,
         decision: Decision,
+        request_id: str,
         admission_id: str,
         slot_taken: bool,
-    ) -> tuple[Decision, _Sized, dict[str, Any]] | None:
+    ) -> Ticket | None:
         """Lower max_tokens to what the remaining budget pays for; None if not even one
         token of answer fits."""
         if decision.budget_left_pico is None:
@@ -442,16 +441,17 @@ class Admission:
         retry = await self._reserve(request, tenant, smaller, admission_id, slot_taken)
         if not retry.admitted:
             return None
-        return retry, smaller, {"clamped_from": sized.max_new_tokens}
+        return self._ticket(retry, smaller, request, request_id, clamped_from=sized.max_new_tokens)
 
     async def _fall_back(
         self,
         request: ParsedRequest,
         tenant: TenantPolicy,
         fallback: str,
+        request_id: str,
         admission_id: str,
         slot_taken: bool,
-    ) -> tuple[Decision, _Sized, dict[str, Any]] | None:
+    ) -> Ticket | None:
         route = self._snapshot.models.get(fallback)
         if route is None or route.name == request.model:
             return None
@@ -463,7 +463,7 @@ class Admission:
         decision = await self._reserve(request, tenant, sized, admission_id, slot_taken)
         if not decision.admitted:
             return None
-        return decision, sized, {"fallback_from": request.model}
+        return self._ticket(decision, sized, request, request_id, fallback_from=request.model)
 
 
 def _prompt_param(request: ParsedRequest) -> str:

@@ -72,10 +72,10 @@ class ResponseMeter:
             )
         )
         sse = self._sse
+        text = sse.output_text() if sse is not None else ""
         counted = 0
-        if usage is None and sse is not None and self.accepted:
-            text = sse.output_text()
-            counted = await count_output(text) if text else 0
+        if usage is None and text and self.accepted:
+            counted = await count_output(text)
         return ResponseReading(
             accepted=self.accepted,
             streamed=self._stream_requested,
@@ -83,5 +83,5 @@ class ResponseMeter:
             counted_output_tokens=counted,
             content_events=sse.content_events if sse is not None else 0,
             output_text_complete=sse is not None and not sse.output_text_truncated,
-            visible_text=sse is not None and bool(sse.output_text()),
+            visible_text=bool(text),
         )

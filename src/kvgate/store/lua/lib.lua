@@ -201,6 +201,27 @@ local function scope_save(h, sc)
   redis.call('HSET', h, sc.key .. '|n', sc.n)
 end
 
+-- Saves every scope after a decision (refills and synced rules are kept either way, as the
+-- memory store keeps them). take_request: a passing pre-check takes one request from each
+-- RPM bucket; otherwise the tenant-wide buckets are refilled for the x-ratelimit-* view.
+local function scopes_save(h, scopes, now, take_request)
+  for _, sc in ipairs(scopes) do
+    if take_request then
+      if sc.r then
+        take(sc.r, 1, now)
+      end
+    elseif sc.key == '' then
+      if sc.r then
+        refill(sc.r, now)
+      end
+      if sc.t then
+        refill(sc.t, now)
+      end
+    end
+    scope_save(h, sc)
+  end
+end
+
 local function scope_sync(sc, lim, now)
   sc.r = sync(sc.r, lim.r, now)
   sc.t = sync(sc.t, lim.t, now)

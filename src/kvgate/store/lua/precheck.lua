@@ -24,22 +24,6 @@ if conc_hit then
   out.w_tenant = until_freed(P .. ':r|' .. a.b, bv, now, 0, 1, a.t)
 end
 
-for _, sc in ipairs(scopes) do
-  if not enforced then
-    if sc.r then
-      take(sc.r, 1, now)
-    end
-  elseif sc.key == '' then
-    -- The rejection's x-ratelimit-* view refills the tenant-wide buckets (as the policy).
-    if sc.r then
-      refill(sc.r, now)
-    end
-    if sc.t then
-      refill(sc.t, now)
-    end
-  end
-  -- Refills and synced rules are kept either way, as in reserve and the memory store.
-  scope_save(th, sc)
-end
+scopes_save(th, scopes, now, not enforced)
 out.ok = not enforced
 return cjson.encode(out)

@@ -86,18 +86,6 @@ if admitted then
     redis.call('HSET', P .. ':rq', rq, a.b .. '|' .. a.id)
   end
 end
--- Refills and synced rules are kept either way, as the memory store keeps them; the
--- tenant-wide buckets are read for the x-ratelimit-* view, which refills them.
-for _, sc in ipairs(scopes) do
-  if sc.key == '' then
-    if sc.r then
-      refill(sc.r, now)
-    end
-    if sc.t then
-      refill(sc.t, now)
-    end
-  end
-  scope_save(th, sc)
-end
+scopes_save(th, scopes, now, false)
 out.ok = admitted
 return cjson.encode(out)
