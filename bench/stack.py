@@ -218,6 +218,30 @@ def envoy_without_extproc(src: Path, dst: Path) -> Path:
     return dst
 
 
+def envoy_unguarded(path: Path) -> Path:
+    """The same rendered config with the routing guard replaced by one route to the backend.
+
+    The shipped configs send a request upstream only on kvgate's routing header; the arms
+    without kvgate (plain Envoy, the no-op ext_proc) never set it, so without this they
+    would measure Envoy's local `not_admitted` reply instead of a proxied request."""
+    config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", []):
+            for net_filter in chain.get("filters", []):
+                route_config = net_filter.get("typed_config", {}).get("route_config")
+                if route_config is None:
+                    continue
+                for host in route_config["virtual_hosts"]:
+                    host["routes"] = [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {"cluster": BACKEND, "timeout": "0s", "idle_timeout": "3600s"},
+                        }
+                    ]
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
 def redis_available(url: str) -> str | None:
     """None when kvgate's Redis store can be used at `url`, else why not."""
     try:
@@ -339,6 +363,8 @@ class BenchStack:
         )
         if extproc_port is None:
             envoy_without_extproc(dst, dst)
+        if name in ("envoy", "noop"):
+            envoy_unguarded(dst)
         argv = [
             _bin("envoy"),
             "-c",
