@@ -18,6 +18,7 @@ from testbed.harness import (
     DEFAULT_MODEL_NAME,
     SimOptions,
     Stack,
+    kvgate_metrics,
     tenant_totals,
     wait_until,
 )
@@ -88,3 +89,46 @@ def test_a_conversation_of_almost_two_megabytes_is_served_and_charged(stack: Sta
 
 
 _FIELDS = {"prompt_tokens": "prompt_tokens", "output_tokens": "completion_tokens"}
+
+
+def test_a_decision_past_the_deadline_is_kvgates_own_503() -> None:
+    """Counting that cannot finish within server.decision_timeout_s (set tiny here) is cut:
+    the client gets kvgate's JSON 503 with Retry-After before Envoy's message timeout (never
+    Envoy's empty 504), and nothing stays reserved."""
+    with Stack(
+        models=[
+            {
+                "name": DEFAULT_MODEL_NAME,
+                "tokenizer": str(demo_model_dir()),
+                "max_context": CONTEXT,
+                "default_max_new_tokens": 64,
+                "backend": DEFAULT_BACKEND,
+            }
+        ],
+        backends=[
+            {"name": DEFAULT_BACKEND, "kv_budget_tokens": CONTEXT + 1024, "kv_block_size": 16}
+        ],
+        sim=SimOptions(num_gpu_blocks=(CONTEXT + 1024) // 16, max_model_len=CONTEXT),
+        kvgate_overrides={"server": {"decision_timeout_s": 0.02}},
+    ) as stack:
+        text = " ".join(WORDS[i % len(WORDS)] for i in range(300_000))
+        before = tenant_totals(stack)
+        resp = httpx.post(
+            stack.base_url + "/v1/chat/completions",
+            json={"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": text}]},
+            headers=stack.auth_headers(),
+            timeout=httpx.Timeout(60.0, connect=5.0),
+        )
+        assert resp.status_code == 503, resp.text
+        assert resp.headers["content-type"].startswith("application/json")
+        assert resp.json()["error"]["code"] == "service_unavailable"
+        assert int(resp.headers["retry-after"]) >= 1
+        in_flight = wait_until(
+            lambda: kvgate_metrics(stack).value(
+                "kvgate_kv_tokens_in_flight", backend=DEFAULT_BACKEND
+            ),
+            lambda v: v == 0,
+            timeout=10,
+        )
+        assert in_flight == 0
+        assert tenant_totals(stack) == before

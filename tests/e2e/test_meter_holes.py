@@ -397,3 +397,44 @@ def test_huge_prompts_are_refused_before_counting(stack: Stack) -> None:
     error = assert_openai_error(resp, 400, code="context_length_exceeded")
     assert "at least" in error["message"]
     assert sim_stats(stack)["generation_requests_total"] == generations
+
+
+def test_beam_search_is_refused(stack: Stack) -> None:
+    """Beam search keeps more candidate sequences than `n` says: the reservation could not
+    cover it, so it never reaches the backend."""
+    generations = sim_stats(stack)["generation_requests_total"]
+    resp = post(
+        stack,
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "use_beam_search": True,
+            "n": 2,
+        },
+    )
+    error = assert_openai_error(resp, 400, code="unsupported_parameter")
+    assert error["param"] == "use_beam_search"
+    assert sim_stats(stack)["generation_requests_total"] == generations
+
+
+def test_a_reused_request_id_shares_nothing(stack: Stack) -> None:
+    """x-request-id is the client's: two concurrent requests sending the same one are two
+    admissions, each reserved, served and charged on its own."""
+    wait_idle(stack)
+    before = ledger(stack)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "ignore_eos": True,
+    }
+    headers = {"x-request-id": "same-id-twice", "x-sim-ttft-ms": "300"}
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda _: post(stack, CHAT, body, headers=headers), range(2)))
+    assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    prompt = sum(r.json()["usage"]["prompt_tokens"] for r in replies)
+    expected = {"requests": 2, "prompt_tokens": prompt, "output_tokens": 12}
+    assert wait_ledger(stack, before, expected) == expected
+    wait_idle(stack)
