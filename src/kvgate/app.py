@@ -54,7 +54,15 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
     cache_dir = Path(config.server.tokenizer_cache_dir)
     for model in config.models:
         model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
-        service.register(model.name, PromptCounter.from_model_dir(model_dir, name=model.name))
+        counter = PromptCounter.from_model_dir(
+            model_dir, name=model.name, counting_engine=model.counting_engine
+        )
+        if counter.engine != "compiled-bpe":
+            log.info(
+                "counting with the reference tokenizer",
+                extra={"model": model.name, "reason": counter.engine_reason},
+            )
+        service.register(model.name, counter)
     return service
 
 

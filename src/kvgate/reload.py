@@ -80,6 +80,7 @@ FIELD_CLASSES: dict[str, str] = {
     },
     "models.*.name": RELOAD,
     "models.*.tokenizer": RELOAD,  # loaded before the swap
+    "models.*.counting_engine": RELOAD,  # the tokenizer is loaded again before the swap
     "models.*.max_context": RELOAD,
     "models.*.default_max_new_tokens": RELOAD,
     "models.*.backend": RELOAD,
@@ -215,16 +216,18 @@ class ConfigReloader:
 
     def _load_tokenizers(self, old: KvgateConfig, new: KvgateConfig) -> None:
         """Load tokenizers of new or changed models before anything is swapped."""
-        previous = {m.name: m.tokenizer for m in old.models}
+        previous = {m.name: (m.tokenizer, m.counting_engine) for m in old.models}
         cache_dir = Path(new.server.tokenizer_cache_dir)
         if cache_dir != Path(old.server.tokenizer_cache_dir):
             previous = {}  # every model is loaded again, from the new cache directory
         loaded = {}
         for model in new.models:
-            if previous.get(model.name) == model.tokenizer:
+            if previous.get(model.name) == (model.tokenizer, model.counting_engine):
                 continue
             model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
-            loaded[model.name] = PromptCounter.from_model_dir(model_dir, name=model.name)
+            loaded[model.name] = PromptCounter.from_model_dir(
+                model_dir, name=model.name, counting_engine=model.counting_engine
+            )
         for name, counter in loaded.items():
             self._tokenizers.register(name, counter)
 

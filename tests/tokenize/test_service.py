@@ -78,24 +78,55 @@ async def test_loop_stays_responsive(service: TokenizerService) -> None:
     assert ticks > 1  # the loop kept running while the worker tokenized
 
 
-async def test_cache_hits_on_repeat(service: TokenizerService, spy: SpyCounter) -> None:
-    first = await service.count_chat("demo", MSGS, chat_template_kwargs=None)
-    second = await service.count_chat("demo", [dict(m) for m in MSGS])
-    assert first == second
-    assert spy.calls == 1
+LONG = "How many tokens is this sentence, counted once and then read from the cache? " * 3
+LONG_MSGS = [{"role": "user", "content": LONG}]
+
+
+async def test_segment_cache_hits_on_repeat(
+    service: TokenizerService, counter: PromptCounter
+) -> None:
+    first = await service.count_chat("demo", LONG_MSGS)
+    assert service.cache_stats().hits == 0
+    second = await service.count_chat("demo", [dict(m) for m in LONG_MSGS])
+    assert first == second == counter.count_chat(LONG_MSGS)
     stats = service.cache_stats()
-    assert (stats.hits, stats.misses, stats.size) == (1, 1, 1)
-    # Any parameter that changes the prompt is part of the key.
-    await service.count_chat("demo", MSGS, add_generation_prompt=False)
-    await service.count_completion("demo", "How many tokens is this?")
-    await service.count_text("demo", "How many tokens is this?")
-    assert spy.calls == 4
-    assert service.cache_stats().misses == 4
+    # The user turn's segment is long enough to be cached; the short ones are counted.
+    assert (stats.hits, stats.size) == (1, 1)
+    # A parameter that changes the rendered prompt changes the count, not the cached segment.
+    without = await service.count_chat("demo", LONG_MSGS, add_generation_prompt=False)
+    assert without == counter.count_chat(LONG_MSGS, add_generation_prompt=False) < first
+    assert service.cache_stats().hits == 2
+    # Generated text is never cached: it would only evict prompts.
+    await service.count_text("demo", LONG)
+    assert service.cache_stats().size == 1
+
+
+async def test_history_is_counted_once(counter: PromptCounter) -> None:
+    """Each resend of a growing conversation counts only its new turns."""
+    svc = TokenizerService(max_workers=1, cache_size=64)
+    svc.register("demo", SpyCounter(counter))  # a copy: the shared fixture keeps no cache
+    history: list[dict[str, str]] = [
+        {"role": "system", "content": "You review code carefully. " * 20}
+    ]
+    try:
+        for turn in range(6):
+            if turn:
+                history.append({"role": "assistant", "content": f"Answer {turn}. " + "ok " * 40})
+            history.append({"role": "user", "content": f"Question {turn}: " + "why? " * 30})
+            before = svc.cache_stats()
+            assert await svc.count_chat("demo", history) == counter.count_chat(history)
+            after = svc.cache_stats()
+            # Only the turns added since the last resend are counted; the rest are hits.
+            new_segments = 2
+            assert after.misses - before.misses == new_segments
+            assert after.hits - before.hits == len(history) - new_segments
+    finally:
+        svc.close()
 
 
 async def test_cache_is_bounded(service: TokenizerService) -> None:
     for i in range(20):
-        await service.count_text("demo", f"text {i}")
+        await service.count_completion("demo", f"text {i} " + "x" * 80)
     stats = service.cache_stats()
     assert stats.size == stats.capacity == 8
 
@@ -335,7 +366,7 @@ async def test_resize_applies_threads_and_cache(spy: SpyCounter) -> None:
     svc.register("demo", spy)
     try:
         for i in range(8):
-            await svc.count_text("demo", f"text {i}")
+            await svc.count_completion("demo", f"text {i} " + "x" * 80)
         svc.resize(max_workers=3, cache_size=2)
         assert svc.max_workers == 3
         assert svc.cache_stats().size == svc.cache_stats().capacity == 2
@@ -366,10 +397,10 @@ async def test_real_tokenizer_small_count_passes_a_backlog(counter: PromptCounte
     try:
         a_tasks = [asyncio.create_task(svc.count_chat("demo", m, tenant="A")) for m in big]
         await until(lambda: svc.pending("A")[0] == 3)
-        n = await asyncio.wait_for(svc.count_chat("demo", MSGS, tenant="B"), 5)
-        assert n == counter.count_chat(MSGS)
+        n = await asyncio.wait_for(svc.count_chat("demo", LONG_MSGS, tenant="B"), 5)
+        assert n == counter.count_chat(LONG_MSGS)
         assert not any(t.done() for t in a_tasks)
-        assert await svc.count_chat("demo", MSGS, tenant="B") == n
+        assert await svc.count_chat("demo", LONG_MSGS, tenant="B") == n
         assert svc.cache_stats().hits == 1
         gate.set()
         got = await asyncio.gather(*a_tasks)

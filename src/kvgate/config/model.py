@@ -41,7 +41,8 @@ class ServerConfig(_Strict):
     # Reservations are leases: one nobody renews (a lost stream) frees itself after this.
     lease_ttl_s: float = Field(default=900.0, gt=0)
     tokenizer_threads: int = Field(default=2, ge=1, le=64)
-    tokenizer_cache_entries: int = Field(default=4096, ge=0)
+    # Token counts of prompt segments (the text between special tokens), every model.
+    tokenizer_cache_entries: int = Field(default=65536, ge=0)
     tokenizer_cache_dir: str = "var/tokenizers"
     # Every admission decision is answered within this, with kvgate's own OpenAI-shaped
     # error when it cannot finish in time: keep it below Envoy's ext_proc message_timeout
@@ -196,6 +197,9 @@ class ModelConfig(_Strict):
     default_max_new_tokens: int = Field(gt=0)
     backend: str
     pricing: PricingConfig = PricingConfig()
+    # "auto" counts with tiktoken's compiled BPE when the vocabulary passes its exactness
+    # checks at load (else the reference); "reference" always uses the model's tokenizers.
+    counting_engine: Literal["auto", "reference"] = "auto"
 
     @field_validator("name")
     @classmethod

@@ -9,13 +9,17 @@
 * Output text: encoded without special tokens.
 
 Only ``tokenizers`` is used (the same Rust tokenizer transformers wraps); kvgate does
-not depend on transformers.
+not depend on transformers. Counting cuts the text at added tokens and counts each segment
+between them once (``segments``), with the fastest engine that counts exactly like the
+model's tokenizer (``engines``: tiktoken's compiled BPE when it passes its checks).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +27,15 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from kvgate.tokenize.chat_template import ChatTemplate, load_template_sources
+from kvgate.tokenize.engines import CountingEngine, ReferenceEngine, choose_engine
 from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
 from kvgate.tokenize.messages import normalize_tools, parse_messages
+from kvgate.tokenize.segments import (
+    MIN_CACHED_CHARS,
+    AddedTokenSplitter,
+    SegmentCountCache,
+    segment_key,
+)
 
 # Named special tokens transformers passes to chat templates (its special_tokens_map).
 _SPECIAL_TOKEN_NAMES = (
@@ -57,15 +68,43 @@ class PromptCounter:
         chat_template: ChatTemplate | None,
         *,
         name: str = "",
+        counting_engine: str = "auto",
+        spec_source: bytes | None = None,
     ) -> None:
+        """``spec_source``: the tokenizer.json bytes, when the caller has them."""
         self.name = name
         self._tokenizer = tokenizer
-        # The batch entry points release the GIL while Rust works (plain ``encode`` does
-        # not), so the event loop keeps running while a worker thread tokenizes; the
-        # "fast" variant also skips offsets, which counting never needs.
-        self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        self._reference = ReferenceEngine(tokenizer)
         self._chat_template = chat_template
         self._prefix, self._suffix = self._special_affixes(tokenizer, tokenizer_config)
+        self._splitter = AddedTokenSplitter.from_added_tokens(
+            tokenizer.get_added_tokens_decoder().values(),
+            has_normalizer=tokenizer.normalizer is not None,
+        )
+        # Segments need the splitter; without it only the reference counts whole texts.
+        self._engine: CountingEngine = self._reference
+        self.engine_reason = "added tokens match in a way plain splitting cannot reproduce"
+        if self._splitter is not None:
+            source = spec_source if spec_source is not None else tokenizer.to_str().encode()
+            choice = choose_engine(
+                tokenizer,
+                lambda: json.loads(source),
+                prefer=counting_engine,
+                fingerprint=hashlib.sha256(source).hexdigest(),
+            )
+            self._engine, self.engine_reason = choice.engine, choice.reason
+        self._cache: SegmentCountCache | None = None
+        # Keys the segment digests: this tokenizer's counts are never read by another one.
+        self._cache_scope = os.urandom(16)
+
+    @property
+    def engine(self) -> str:
+        """The engine that counts segments: "compiled-bpe" or "reference"."""
+        return "reference" if self._splitter is None else self._engine.name
+
+    def use_cache(self, cache: SegmentCountCache | None) -> None:
+        """Share a segment-count cache (the service's); None counts everything afresh."""
+        self._cache = cache
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -79,7 +118,9 @@ class PromptCounter:
         return max(1, max(map(len, self._tokenizer.get_vocab(with_added_tokens=True))))
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path | str, *, name: str = "") -> PromptCounter:
+    def from_model_dir(
+        cls, model_dir: Path | str, *, name: str = "", counting_engine: str = "auto"
+    ) -> PromptCounter:
         path = Path(model_dir)
         try:
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -91,9 +132,17 @@ class PromptCounter:
                 if (text := _token_text(config.get(key))) is not None
             }
             template = ChatTemplate(sources, specials) if sources is not None else None
+            spec_source = (path / "tokenizer.json").read_bytes()
         except Exception as exc:  # any unreadable file or bad JSON/template is fatal
             raise TokenizerLoadError(str(path), str(exc)) from exc
-        return cls(tokenizer, config, template, name=name or path.name)
+        return cls(
+            tokenizer,
+            config,
+            template,
+            name=name or path.name,
+            counting_engine=counting_engine,
+            spec_source=spec_source,
+        )
 
     # -- special tokens added by encode(add_special_tokens=True) ---------------------------
 
@@ -148,19 +197,34 @@ class PromptCounter:
 
     # -- encoding -----------------------------------------------------------------------------
 
-    def _ids(self, text: str) -> list[int]:
-        ids: list[int] = self._encode_batch([text], add_special_tokens=False)[0].ids
-        return ids
-
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        ids = self._ids(text)
+        ids = self._reference.ids(text)
         if add_special_tokens and (self._prefix or self._suffix):
             return [*self._prefix, *ids, *self._suffix]
         return ids
 
-    def _count(self, text: str, *, add_special_tokens: bool) -> int:
-        n = len(self._ids(text))
+    def _count(self, text: str, *, add_special_tokens: bool, cache: bool = True) -> int:
+        n = self._count_plain(text, cache=cache)
         return n + self.special_tokens_added if add_special_tokens else n
+
+    def _count_plain(self, text: str, *, cache: bool) -> int:
+        if self._splitter is None:
+            return self._reference.count(text)
+        added, segments = self._splitter.split(text)
+        store = self._cache if cache else None
+        count = self._engine.count
+        total = added
+        for segment in segments:
+            if store is None or len(segment) < MIN_CACHED_CHARS:
+                total += count(segment)
+                continue
+            key = segment_key(self._cache_scope, segment)
+            cached = store.get(key)
+            if cached is None:
+                cached = count(segment)
+                store.put(key, cached)
+            total += cached
+        return total
 
     # -- public counting API ----------------------------------------------------------------
 
@@ -246,7 +310,8 @@ class PromptCounter:
         """Tokens in generated text (no special tokens added)."""
         if not isinstance(text, str):
             raise PromptRenderError("text must be a string")
-        return self._count(text, add_special_tokens=False)
+        # Generated text is new every time: caching it would only evict prompts.
+        return self._count(text, add_special_tokens=False, cache=False)
 
 
 def _is_token_id(value: Any) -> bool:

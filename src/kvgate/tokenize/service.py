@@ -1,9 +1,9 @@
 """The async facade the gRPC server uses to count tokens without blocking its loop.
 
-Rendering and tokenizing run on worker threads: the Rust tokenizer releases the GIL while
-it encodes, and even the canonical JSON + hash of a large request is done off the loop.
-Results are kept in a bounded LRU keyed by a digest of (model, kind, inputs), so identical
-prompts (retries, fan-out of one conversation) are counted once.
+Rendering and tokenizing run on worker threads: both engines release the GIL while they
+encode. Counts of prompt segments (the text between added tokens) are kept in one bounded
+LRU shared by every model (``segments.SegmentCountCache``), so a conversation's history, a
+shared system prompt and retries are counted once.
 
 The workers are shared by every tenant, so they are scheduled fairly instead of FIFO:
 
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
-import json
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from kvgate.tokenize.counter import PromptCounter
-from kvgate.tokenize.errors import PromptRenderError
+from kvgate.tokenize.segments import CacheStats, SegmentCountCache
 
 THREAD_NAME_PREFIX = "kvgate-tokenize"
 
@@ -71,71 +69,6 @@ class TokenizerBusy(Exception):
         self.jobs = jobs
         self.cost = cost
         self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    hits: int
-    misses: int
-    size: int
-    capacity: int
-
-
-class _LRU:
-    """A thread-safe LRU of digest -> count (small values: memory is bounded by entries)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._data: OrderedDict[bytes, int] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: bytes) -> int | None:
-        with self._lock:
-            value = self._data.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self._data.move_to_end(key)
-            self.hits += 1
-            return value
-
-    def put(self, key: bytes, value: int) -> None:
-        if self.capacity <= 0:
-            return
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.capacity:
-                self._data.popitem(last=False)
-
-    def resize(self, capacity: int) -> None:
-        with self._lock:
-            self.capacity = capacity
-            while len(self._data) > max(capacity, 0):
-                self._data.popitem(last=False)
-
-    def stats(self) -> CacheStats:
-        with self._lock:
-            return CacheStats(self.hits, self.misses, len(self._data), self.capacity)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-
-def _digest(model: str, kind: str, payload: Any) -> bytes:
-    # Canonical = compact and deterministic, but key order is kept: chat templates
-    # render tool schemas with tojson(sort_keys=False), so reordered keys can change
-    # the prompt and therefore the count.
-    try:
-        blob = json.dumps(
-            [model, kind, payload], ensure_ascii=False, separators=(",", ":"), allow_nan=True
-        )
-    except (TypeError, ValueError) as exc:
-        raise PromptRenderError("the request contains values that are not JSON") from exc
-    return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def approx_cost(*values: Any) -> int:
@@ -396,14 +329,14 @@ class TokenizerService:
         self,
         *,
         max_workers: int = 4,
-        cache_size: int = 4096,
+        cache_size: int = 65536,
         max_jobs_per_tenant: int = DEFAULT_MAX_JOBS_PER_TENANT,
         max_cost_per_tenant: int = DEFAULT_MAX_COST_PER_TENANT,
         large_job_cost: int = DEFAULT_LARGE_JOB_COST,
         reserved_workers: int = DEFAULT_RESERVED_WORKERS,
     ) -> None:
         self._counters: dict[str, PromptCounter] = {}
-        self._cache = _LRU(cache_size)
+        self._cache = SegmentCountCache(cache_size)
         self._scheduler = _FairScheduler(
             max_workers,
             max_jobs_per_tenant=max_jobs_per_tenant,
@@ -416,9 +349,8 @@ class TokenizerService:
     # -- registry -----------------------------------------------------------------------
 
     def register(self, model_name: str, counter: PromptCounter) -> None:
-        if model_name in self._counters:
-            # A reload swapped this model's tokenizer: cached counts may be wrong now.
-            self._cache.clear()
+        # Each counter keys its own cache entries: a swapped tokenizer never reads old counts.
+        counter.use_cache(self._cache)
         self._counters[model_name] = counter
 
     def unregister(self, model_name: str) -> None:
@@ -480,14 +412,6 @@ class TokenizerService:
         bounded: bool = True,
     ) -> int:
         counter = self.counter(model)
-        payload = {
-            "messages": messages,
-            "tools": tools,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-            "chat_template_kwargs": chat_template_kwargs,
-            "add_special_tokens": add_special_tokens,
-        }
 
         def work() -> int:
             return counter.count_chat(
@@ -501,7 +425,7 @@ class TokenizerService:
 
         if cost is None:
             cost = approx_cost(messages, tools)
-        return await self._count(tenant, cost, bounded, model, "chat", payload, work)
+        return await self._submit(tenant, work, cost, bounded)
 
     async def count_completion(
         self,
@@ -516,15 +440,7 @@ class TokenizerService:
         counter = self.counter(model)
         if cost is None:
             cost = approx_cost(prompt)
-        return await self._count(
-            tenant,
-            cost,
-            bounded,
-            model,
-            "completion",
-            prompt,
-            lambda: counter.count_completion(prompt),
-        )
+        return await self._submit(tenant, lambda: counter.count_completion(prompt), cost, bounded)
 
     async def count_text(
         self,
@@ -539,9 +455,7 @@ class TokenizerService:
         counter = self.counter(model)
         if cost is None:
             cost = approx_cost(text)
-        return await self._count(
-            tenant, cost, bounded, model, "text", text, lambda: counter.count_text(text)
-        )
+        return await self._submit(tenant, lambda: counter.count_text(text), cost, bounded)
 
     async def run(
         self, tenant: str, work: Callable[[], T], *, cost: int = 1, bounded: bool = True
@@ -553,27 +467,6 @@ class TokenizerService:
         never runs.
         """
         return await self._submit(tenant, work, cost, bounded)
-
-    async def _count(
-        self,
-        tenant: str,
-        cost: int,
-        bounded: bool,
-        model: str,
-        kind: str,
-        payload: Any,
-        work: Callable[[], int],
-    ) -> int:
-        def job() -> int:
-            key = _digest(model, kind, payload)
-            cached = self._cache.get(key)
-            if cached is not None:
-                return cached
-            value = work()
-            self._cache.put(key, value)
-            return value
-
-        return await self._submit(tenant, job, cost, bounded)
 
     async def _submit(self, tenant: str, work: Callable[[], T], cost: int, bounded: bool) -> T:
         if self._closed:
