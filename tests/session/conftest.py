@@ -77,14 +77,16 @@ def body_msg(body: bytes | dict[str, Any], end_of_stream: bool = True) -> pb.Pro
 
 
 def response_headers_msg(
-    status: int = 200, content_type: str = "text/event-stream"
+    status: int = 200,
+    content_type: str = "text/event-stream",
+    extra: dict[str, str] | None = None,
 ) -> pb.ProcessingRequest:
+    values = {":status": str(status), "content-type": content_type, **(extra or {})}
     return pb.ProcessingRequest(
         response_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(
                 headers=[
-                    base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
-                    base_pb2.HeaderValue(key="content-type", raw_value=content_type.encode()),
+                    base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()
                 ]
             )
         )

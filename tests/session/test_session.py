@@ -6,7 +6,9 @@ import json
 
 import grpc
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
+from kvgate.extproc.session import BUFFERED_ANSWER_MAX_BYTES
 from tests.session.conftest import (
     SessionRig,
     body_msg,
@@ -165,6 +167,45 @@ async def test_non_streaming_usage_is_read_from_the_json_body(rig: SessionRig) -
     ).encode()
     await stream.exchange(response_body_msg(payload[:10]))
     await stream.exchange(response_body_msg(payload[10:], end_of_stream=True))
+    assert await rig.usage() == (1, 21, 9)
+    assert await rig.in_flight() == (0, 0)
+
+
+_Mode = processing_mode_pb2.ProcessingMode
+
+
+@pytest.mark.parametrize(
+    ("content_type", "content_length", "buffered"),
+    [
+        ("application/json", "2048", True),
+        ("application/json; charset=utf-8", str(BUFFERED_ANSWER_MAX_BYTES), True),
+        ("application/json", str(BUFFERED_ANSWER_MAX_BYTES + 1), False),  # over Envoy's care
+        ("application/json", None, False),  # unsized: may be larger than the buffer limit
+        ("application/json", "\u00b2", False),  # a Unicode digit is not a length
+        ("text/event-stream", "2048", False),  # streams are read chunk by chunk
+    ],
+)
+async def test_small_json_answers_come_in_one_message(
+    rig: SessionRig, content_type: str, content_length: str | None, buffered: bool
+) -> None:
+    """The reply to the answer's headers asks Envoy for a sized JSON body in one BUFFERED
+    message; everything else stays STREAMED, and the answer is settled either way."""
+    stream = rig.stream()
+    await stream.exchange(headers_msg())
+    await stream.exchange(body_msg(CHAT))
+    extra = {"content-length": content_length} if content_length is not None else {}
+    reply = await stream.exchange(response_headers_msg(200, content_type, extra))
+    assert reply.HasField("mode_override") == buffered
+    if buffered:
+        mode = reply.mode_override
+        assert mode.response_body_mode == _Mode.BUFFERED
+        assert (mode.request_trailer_mode, mode.response_trailer_mode) == (_Mode.SKIP, _Mode.SKIP)
+    payload = json.dumps(
+        {"choices": [], "usage": {"prompt_tokens": 21, "completion_tokens": 9}}
+    ).encode()
+    if content_type.startswith("text/event-stream"):
+        payload = sse_events([usage_event(21, 9), "[DONE]"])
+    await stream.exchange(response_body_msg(payload, end_of_stream=True))
     assert await rig.usage() == (1, 21, 9)
     assert await rig.in_flight() == (0, 0)
 

@@ -101,13 +101,30 @@ def continue_request_body(
     return response
 
 
+# The rest of a stream once the answer's body is wanted whole: one message instead of one
+# per chunk. mode_override replaces every field for both directions, so all are set.
+_BUFFERED_ANSWER_MODE = _Mode(
+    request_header_mode=_Mode.SEND,
+    request_body_mode=_Mode.BUFFERED,
+    request_trailer_mode=_Mode.SKIP,
+    response_header_mode=_Mode.SEND,
+    response_body_mode=_Mode.BUFFERED,
+    response_trailer_mode=_Mode.SKIP,
+)
+
+
 def continue_response_headers(
-    set_headers: Mapping[str, str] | None = None,
+    set_headers: Mapping[str, str] | None = None, *, buffer_body: bool = False
 ) -> pb.ProcessingResponse:
+    """CONTINUE after response headers; `buffer_body` asks Envoy for the whole answer body
+    in one message (Envoy honours it in the reply to headers, with allow_mode_override)."""
     common = pb.CommonResponse()
     if set_headers:
         common.header_mutation.CopyFrom(header_mutation(set_headers))
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+    response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+    if buffer_body:
+        response.mode_override.CopyFrom(_BUFFERED_ANSWER_MODE)
+    return response
 
 
 # The reply to most response chunks: built once and never mutated (grpc only serializes it).

@@ -49,6 +49,10 @@ USAGE_PATH = "/v1/kvgate/usage"
 HEADER_PREFIX = "x-kvgate-"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
 _PARSE_OFF_LOOP_BYTES = 64 * 1024
+# A JSON answer up to this size (by its content-length) comes in one BUFFERED message
+# instead of chunk by chunk. Well below the 8 MiB buffer limit of the shipped configs:
+# Envoy fails a BUFFERED body over its limit, so larger or unsized answers stay STREAMED.
+BUFFERED_ANSWER_MAX_BYTES = 1024 * 1024
 # HTTP's optional whitespace (RFC 9110 5.6.3): the only padding trimmed from a credential.
 # str.strip() would also drop U+00A0, U+3000, U+2028, U+0085 ..., so "key\u3000" would
 # authenticate as "key".
@@ -87,6 +91,15 @@ def _api_key(headers: dict[str, str]) -> str | None:
         return token
     key = headers.get("x-api-key", "").strip(_OWS)
     return key or None
+
+
+def _small_json_answer(content_type: str, content_length: str) -> bool:
+    """A whole (non-streamed) answer whose declared size fits one buffered message."""
+    if not content_type.startswith("application/json") or not (
+        content_length.isascii() and content_length.isdigit()
+    ):
+        return False
+    return int(content_length) <= BUFFERED_ANSWER_MAX_BYTES
 
 
 def _admission_id(request_id: str) -> str:
@@ -391,12 +404,18 @@ class StreamSession:
             status = int(headers.get(":status", "0"))
         except ValueError:
             status = 0
-        self._meter.on_headers(status, headers.get("content-type", ""))
+        content_type = headers.get("content-type", "")
+        self._meter.on_headers(status, content_type)
         self.phase = Phase.RESPONSE
         if http.end_of_stream:
             # A body-less answer (e.g. an upstream error with no body): settle now.
             await self._settle(self._end_cause())
-        return messages.continue_response_headers(answer_headers(self.ticket))
+            return messages.continue_response_headers(answer_headers(self.ticket))
+        return messages.continue_response_headers(
+            answer_headers(self.ticket),
+            buffer_body=not self._answer_seen_elsewhere
+            and _small_json_answer(content_type, headers.get("content-length", "")),
+        )
 
     async def _on_response_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
         if not self.phase.unsettled or self._meter is None:
