@@ -408,3 +408,22 @@ async def test_real_tokenizer_small_count_passes_a_backlog(counter: PromptCounte
     finally:
         gate.set()
         svc.close()
+
+
+async def test_small_jobs_run_inline(spy: SpyCounter) -> None:
+    """Up to inline_max_cost a count runs on the caller's thread (no worker round trip);
+    above it, on the fair workers."""
+    svc = TokenizerService(max_workers=1, inline_max_cost=4096)
+    svc.register("demo", spy)
+    try:
+        small = await svc.count_chat("demo", MSGS, cost=4096)
+        big = await svc.count_chat("demo", MSGS, cost=4097)
+        assert small == big == spy.count_chat(MSGS)
+        loop_thread = threading.current_thread().name
+        assert spy.threads[0] == loop_thread
+        assert spy.threads[1].startswith(THREAD_NAME_PREFIX)
+        svc.resize(inline_max_cost=0)
+        await svc.count_chat("demo", MSGS, cost=1)
+        assert spy.threads[-1].startswith(THREAD_NAME_PREFIX)
+    finally:
+        svc.close()

@@ -298,11 +298,14 @@ class Admission:
                         continue_final_message=request.continue_final_message,
                         chat_template_kwargs=request.chat_template_kwargs,
                         tenant=tenant,
+                        cost=request.body_bytes or None,
                     )
                 ]
             prompts = request.prompts()
             return [
-                await tokenizers.count_completion(model, prompt, tenant=tenant)
+                await tokenizers.count_completion(
+                    model, prompt, tenant=tenant, cost=_completion_cost(prompt, request)
+                )
                 for prompt in prompts
             ]
         except TokenizerBusy as busy:
@@ -468,3 +471,10 @@ class Admission:
 
 def _prompt_param(request: ParsedRequest) -> str:
     return "messages" if request.kind == "chat" else "prompt"
+
+
+def _completion_cost(prompt: object, request: ParsedRequest) -> int | None:
+    """What counting one prompt costs: the body's size for a single prompt; a batch's
+    prompts are estimated one by one (None)."""
+    del prompt
+    return (request.body_bytes or None) if request.num_prompts == 1 else None

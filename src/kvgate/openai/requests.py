@@ -105,6 +105,8 @@ class ParsedRequest:
     echo: bool = False
     #: vLLM's min_tokens: the engine generates at least this many tokens.
     min_tokens: int = 0
+    #: The body's size in bytes: what counting it costs, for fair scheduling.
+    body_bytes: int = 0
     #: Both max_tokens and max_completion_tokens were sent, with different values (engines
     #: differ in which one they read, so both are rewritten to the reserved cap).
     conflicting_caps: bool = False
@@ -633,6 +635,7 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
             best_of=best_of,
             echo=echo,
             min_tokens=min_tokens,
+            body_bytes=len(body),
             conflicting_caps=(
                 max_completion is not None
                 and max_tokens is not None
@@ -663,6 +666,7 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         num_prompts=num_prompts,
         echo=echo,
         min_tokens=min_tokens,
+        body_bytes=len(body),
     )
 
 

@@ -322,7 +322,8 @@ class TokenizerService:
     Every counting call takes the ``tenant`` it works for (fair share and the per-tenant
     bound), an optional ``cost`` (bytes of input; the request body's length is best,
     otherwise it is estimated) and ``bounded`` (False for work that must not be refused,
-    like counting a finished answer's output at settlement).
+    like counting a finished answer's output at settlement). Jobs no larger than
+    ``inline_max_cost`` skip the workers and run at once on the caller's thread.
     """
 
     def __init__(
@@ -334,8 +335,11 @@ class TokenizerService:
         max_cost_per_tenant: int = DEFAULT_MAX_COST_PER_TENANT,
         large_job_cost: int = DEFAULT_LARGE_JOB_COST,
         reserved_workers: int = DEFAULT_RESERVED_WORKERS,
+        inline_max_cost: int = 0,
     ) -> None:
+        """``inline_max_cost``: jobs up to this cost run on the caller's thread (the loop)."""
         self._counters: dict[str, PromptCounter] = {}
+        self.inline_max_cost = inline_max_cost
         self._cache = SegmentCountCache(cache_size)
         self._scheduler = _FairScheduler(
             max_workers,
@@ -380,8 +384,11 @@ class TokenizerService:
         cache_size: int | None = None,
         max_jobs_per_tenant: int | None = None,
         max_cost_per_tenant: int | None = None,
+        inline_max_cost: int | None = None,
     ) -> None:
         """Apply new sizes on a config reload; work already accepted is not affected."""
+        if inline_max_cost is not None:
+            self.inline_max_cost = inline_max_cost
         if max_workers is not None:
             self._scheduler.resize(max_workers)
         if cache_size is not None:
@@ -471,6 +478,11 @@ class TokenizerService:
     async def _submit(self, tenant: str, work: Callable[[], T], cost: int, bounded: bool) -> T:
         if self._closed:
             raise RuntimeError("TokenizerService is closed")
+        if cost <= self.inline_max_cost:
+            # A small prompt counts in about a tenth of a millisecond, less than handing it
+            # to a worker and back; most of that time (chat template, Python) holds the GIL,
+            # so a worker would block the loop for it anyway.
+            return work()
         job = self._scheduler.submit(tenant, work, cost, bounded=bounded)
         try:
             return cast(T, await job.future)
