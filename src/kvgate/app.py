@@ -50,7 +50,7 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
     service = TokenizerService(
         max_workers=config.server.tokenizer_threads,
         cache_size=config.server.tokenizer_cache_entries,
-        inline_max_cost=config.server.inline_count_max_bytes,
+        inline_max_cost=config.server.inline_tokenize_max_chars,
     )
     cache_dir = Path(config.server.tokenizer_cache_dir)
     for model in config.models:

@@ -42,7 +42,7 @@ FIELD_CLASSES: dict[str, str] = {
     "server.tokenizer_threads": RELOAD,  # TokenizerService.resize
     "server.tokenizer_cache_entries": RELOAD,  # TokenizerService.resize
     "server.tokenizer_cache_dir": RELOAD,  # every tokenizer is loaded again from it
-    "server.inline_count_max_bytes": RELOAD,  # TokenizerService.resize
+    "server.inline_tokenize_max_chars": RELOAD,  # TokenizerService.resize
     "server.decision_timeout_s": RELOAD,
     "server.cut_request_charge": RELOAD,
     "server.grpc_max_message_bytes": RESTART,  # gRPC server options at start
@@ -207,12 +207,12 @@ class ConfigReloader:
         if before.log_level != after.log_level:
             # Only on a change, so a `--log-level` given at start survives other reloads.
             logging.getLogger().setLevel(after.log_level)
-        sizes = ("tokenizer_threads", "tokenizer_cache_entries", "inline_count_max_bytes")
+        sizes = ("tokenizer_threads", "tokenizer_cache_entries", "inline_tokenize_max_chars")
         if any(getattr(before, name) != getattr(after, name) for name in sizes):
             self._tokenizers.resize(
                 max_workers=after.tokenizer_threads,
                 cache_size=after.tokenizer_cache_entries,
-                inline_max_cost=after.inline_count_max_bytes,
+                inline_max_cost=after.inline_tokenize_max_chars,
             )
 
     def _load_tokenizers(self, old: KvgateConfig, new: KvgateConfig) -> None:

@@ -9,33 +9,26 @@ from typing import Any
 import pytest
 
 from kvgate.tokenize import PromptCounter, PromptRenderError, TokenizerService
+from kvgate.tokenize.counter import CountPlan
 from kvgate.tokenize.service import THREAD_NAME_PREFIX, TokenizerBusy
 
 MSGS = [{"role": "user", "content": "How many tokens is this?"}]
+LONG = "How many tokens is this sentence, counted once and then read from the cache? " * 3
+LONG_MSGS = [{"role": "user", "content": LONG}]
 
 
 class SpyCounter(PromptCounter):
-    """The real counter, recording which thread each call ran on."""
+    """The real counter, recording on which thread each count was finished."""
 
     def __init__(self, inner: PromptCounter) -> None:
         self.__dict__.update(inner.__dict__)
         self.threads: list[str] = []
         self.calls = 0
 
-    def count_chat(self, *args: Any, **kwargs: Any) -> int:
+    def finish(self, plan: CountPlan) -> int:
         self.calls += 1
         self.threads.append(threading.current_thread().name)
-        return super().count_chat(*args, **kwargs)
-
-    def count_completion(self, *args: Any, **kwargs: Any) -> int:
-        self.calls += 1
-        self.threads.append(threading.current_thread().name)
-        return super().count_completion(*args, **kwargs)
-
-    def count_text(self, *args: Any, **kwargs: Any) -> int:
-        self.calls += 1
-        self.threads.append(threading.current_thread().name)
-        return super().count_text(*args, **kwargs)
+        return super().finish(plan)
 
 
 @pytest.fixture
@@ -53,13 +46,16 @@ def service(spy: SpyCounter) -> Any:
 
 async def test_runs_off_the_event_loop(service: TokenizerService, spy: SpyCounter) -> None:
     loop_thread = threading.current_thread()
-    n = await service.count_chat("demo", MSGS)
-    assert n == spy.count_chat(MSGS) > 0
+    n = await service.count_chat("demo", LONG_MSGS)
+    assert n == spy.count_chat(LONG_MSGS) > 0
     assert spy.threads[0] != loop_thread.name
     assert spy.threads[0].startswith(THREAD_NAME_PREFIX)
+    assert await service.count_completion("demo", LONG + "!") == spy.count_completion(LONG + "!")
+    assert await service.count_text("demo", LONG) == spy.count_text(LONG)
+    assert all(name.startswith(THREAD_NAME_PREFIX) for name in spy.threads[2::2])
+    # Nothing left to tokenize (short segments are counted while planning): no worker.
     assert await service.count_completion("demo", "hello world") == 2
-    assert await service.count_text("demo", "hello world") == 2
-    assert all(name.startswith(THREAD_NAME_PREFIX) for name in spy.threads[2:])
+    assert spy.threads[-1] == loop_thread.name
 
 
 async def test_loop_stays_responsive(service: TokenizerService) -> None:
@@ -76,10 +72,6 @@ async def test_loop_stays_responsive(service: TokenizerService) -> None:
     await service.count_chat("demo", big)
     task.cancel()
     assert ticks > 1  # the loop kept running while the worker tokenized
-
-
-LONG = "How many tokens is this sentence, counted once and then read from the cache? " * 3
-LONG_MSGS = [{"role": "user", "content": LONG}]
 
 
 async def test_segment_cache_hits_on_repeat(
@@ -176,15 +168,19 @@ class GatedCounter(PromptCounter):
         for text in texts:
             self._gate(text).set()
 
-    def count_completion(self, prompt: Any, *, add_special_tokens: bool = True) -> int:
+    def plan_completion(self, prompt: Any, *, add_special_tokens: bool = True) -> CountPlan:
+        return CountPlan(0, [(None, prompt)], len(prompt))
+
+    def plan_output(self, text: str) -> CountPlan:
+        return self.plan_completion(text)
+
+    def finish(self, plan: CountPlan) -> int:
+        [(_, prompt)] = plan.pending
         with self._lock:
             self.started.append(prompt)
         if not self._gate(prompt).wait(10):
             raise TimeoutError(prompt)
         return len(prompt)
-
-    def count_text(self, text: str) -> int:
-        return self.count_completion(text)
 
 
 async def until(predicate: Any, within_s: float = 5.0) -> None:
@@ -384,10 +380,10 @@ async def test_real_tokenizer_small_count_passes_a_backlog(counter: PromptCounte
     gate = threading.Event()
 
     class HeldForA(SpyCounter):
-        def count_chat(self, messages: Any, *args: Any, **kwargs: Any) -> int:
-            if messages[0]["content"].startswith("A"):
+        def finish(self, plan: CountPlan) -> int:
+            if any(segment.startswith("user\nA") for _, segment in plan.pending):
                 assert gate.wait(10)
-            return super().count_chat(messages, *args, **kwargs)
+            return super().finish(plan)
 
     held = HeldForA(counter)
     svc = TokenizerService(max_workers=2, cache_size=8)  # the app's default thread count
@@ -410,20 +406,25 @@ async def test_real_tokenizer_small_count_passes_a_backlog(counter: PromptCounte
         svc.close()
 
 
-async def test_small_jobs_run_inline(spy: SpyCounter) -> None:
-    """Up to inline_max_cost a count runs on the caller's thread (no worker round trip);
-    above it, on the fair workers."""
-    svc = TokenizerService(max_workers=1, inline_max_cost=4096)
+async def test_small_counts_run_inline(spy: SpyCounter) -> None:
+    """Up to inline_max_cost characters left to tokenize, a count runs on the caller's
+    thread (no worker round trip); above it, on the fair workers; cached history is not
+    tokenized again, so a resent conversation is counted inline."""
+    svc = TokenizerService(max_workers=1, inline_max_cost=len(LONG) + 10, cache_size=64)
     svc.register("demo", spy)
+    loop_thread = threading.current_thread().name
+    history = [{"role": "user", "content": LONG * 3}]
     try:
-        small = await svc.count_chat("demo", MSGS, cost=4096)
-        big = await svc.count_chat("demo", MSGS, cost=4097)
-        assert small == big == spy.count_chat(MSGS)
-        loop_thread = threading.current_thread().name
+        assert await svc.count_chat("demo", LONG_MSGS) == spy.count_chat(LONG_MSGS)
         assert spy.threads[0] == loop_thread
-        assert spy.threads[1].startswith(THREAD_NAME_PREFIX)
+        assert await svc.count_chat("demo", history) == spy.count_chat(history)
+        assert spy.threads[2].startswith(THREAD_NAME_PREFIX)
+        history.append({"role": "assistant", "content": "Short answer."})
+        history.append({"role": "user", "content": LONG})
+        assert await svc.count_chat("demo", history) == spy.count_chat(history)
+        assert spy.threads[4] == loop_thread  # only the new turn was tokenized
         svc.resize(inline_max_cost=0)
-        await svc.count_chat("demo", MSGS, cost=1)
+        await svc.count_text("demo", LONG)
         assert spy.threads[-1].startswith(THREAD_NAME_PREFIX)
     finally:
         svc.close()

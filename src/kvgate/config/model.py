@@ -44,9 +44,10 @@ class ServerConfig(_Strict):
     # Token counts of prompt segments (the text between special tokens), every model.
     tokenizer_cache_entries: int = Field(default=65536, ge=0)
     tokenizer_cache_dir: str = "var/tokenizers"
-    # Prompts of a body up to this size are counted on the event loop (about 0.1 ms per 1k
-    # tokens): cheaper than a round trip through a worker thread. 0: always on workers.
-    inline_count_max_bytes: int = Field(default=16384, ge=0, le=1024 * 1024)
+    # Prompt text left to tokenize after the segment cache, up to this many characters, is
+    # tokenized on the event loop (about 0.1 ms per 1k tokens): cheaper than a round trip
+    # through a worker thread. 0: always on the workers.
+    inline_tokenize_max_chars: int = Field(default=16384, ge=0, le=1024 * 1024)
     # Every admission decision is answered within this, with kvgate's own OpenAI-shaped
     # error when it cannot finish in time: keep it below Envoy's ext_proc message_timeout
     # (2 s in the shipped configs), or Envoy answers an empty 504 first.

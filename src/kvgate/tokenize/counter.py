@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -203,27 +204,42 @@ class PromptCounter:
             return [*self._prefix, *ids, *self._suffix]
         return ids
 
-    def _count(self, text: str, *, add_special_tokens: bool, cache: bool = True) -> int:
-        n = self._count_plain(text, cache=cache)
-        return n + self.special_tokens_added if add_special_tokens else n
+    # -- counting in two steps: what is known now, and what still has to be tokenized ----
 
-    def _count_plain(self, text: str, *, cache: bool) -> int:
+    def plan_text(self, text: str, *, add_special_tokens: bool, cache: bool = True) -> CountPlan:
+        """Cut ``text`` at added tokens; count what is cached or short, list the rest."""
+        affixes = self.special_tokens_added if add_special_tokens else 0
         if self._splitter is None:
-            return self._reference.count(text)
+            return CountPlan(affixes, [(None, text)], len(text))
         added, segments = self._splitter.split(text)
         store = self._cache if cache else None
-        count = self._engine.count
-        total = added
+        known = affixes + added
+        pending: list[tuple[bytes | None, str]] = []
+        pending_chars = 0
         for segment in segments:
-            if store is None or len(segment) < MIN_CACHED_CHARS:
-                total += count(segment)
+            if len(segment) < MIN_CACHED_CHARS:
+                known += self._engine.count(segment)
                 continue
-            key = segment_key(self._cache_scope, segment)
-            cached = store.get(key)
-            if cached is None:
-                cached = count(segment)
-                store.put(key, cached)
-            total += cached
+            key = segment_key(self._cache_scope, segment) if store is not None else None
+            cached = store.get(key) if store is not None and key is not None else None
+            if cached is not None:
+                known += cached
+            else:
+                pending.append((key, segment))
+                pending_chars += len(segment)
+        return CountPlan(known, pending, pending_chars)
+
+    def finish(self, plan: CountPlan) -> int:
+        """Tokenize what the plan left pending (caching each segment's count): the total."""
+        if self._splitter is None:
+            return plan.known + sum(self._reference.count(text) for _, text in plan.pending)
+        total = plan.known
+        store = self._cache
+        for key, segment in plan.pending:
+            n = self._engine.count(segment)
+            if key is not None and store is not None:
+                store.put(key, n)
+            total += n
         return total
 
     # -- public counting API ----------------------------------------------------------------
@@ -266,6 +282,28 @@ class PromptCounter:
 
         ``add_special_tokens`` mirrors the request field of the same name (default False).
         """
+        return self.finish(
+            self.plan_chat(
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
+        )
+
+    def plan_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> CountPlan:
+        """``count_chat`` up to the segments that still need tokenizing."""
         prompt = self.render_chat(
             messages,
             tools,
@@ -273,7 +311,7 @@ class PromptCounter:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return self._count(prompt, add_special_tokens=add_special_tokens)
+        return self.plan_text(prompt, add_special_tokens=add_special_tokens)
 
     def count_completion(
         self,
@@ -288,30 +326,60 @@ class PromptCounter:
         id lists is a batch: vLLM runs one generation per prompt, so this returns the
         SUM over the batch (what the request will occupy in total).
         """
+        return self.finish(self.plan_completion(prompt, add_special_tokens=add_special_tokens))
+
+    def plan_completion(
+        self,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        *,
+        add_special_tokens: bool = True,
+    ) -> CountPlan:
+        """``count_completion`` up to the segments that still need tokenizing."""
         if isinstance(prompt, str):
-            return self._count(prompt, add_special_tokens=add_special_tokens)
+            return self.plan_text(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, Sequence) or not prompt:
             raise PromptRenderError("prompt must be a string, a list of token ids, or a batch")
         if all(_is_token_id(t) for t in prompt):
-            return len(prompt)
-        total = 0
+            return CountPlan(len(prompt), [], 0)
+        plan = CountPlan(0, [], 0)
         for i, item in enumerate(prompt):
             if isinstance(item, str):
-                total += self._count(item, add_special_tokens=add_special_tokens)
+                plan = plan.merged(self.plan_text(item, add_special_tokens=add_special_tokens))
             elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
-                total += len(item)
+                plan = plan.merged(CountPlan(len(item), [], 0))
             else:
                 raise PromptRenderError(
                     f"prompt[{i}] must be a string or a non-empty list of token ids"
                 )
-        return total
+        return plan
 
     def count_text(self, text: str) -> int:
         """Tokens in generated text (no special tokens added)."""
+        return self.finish(self.plan_output(text))
+
+    def plan_output(self, text: str) -> CountPlan:
+        """``count_text`` up to the segments that still need tokenizing."""
         if not isinstance(text, str):
             raise PromptRenderError("text must be a string")
         # Generated text is new every time: caching it would only evict prompts.
-        return self._count(text, add_special_tokens=False, cache=False)
+        return self.plan_text(text, add_special_tokens=False, cache=False)
+
+
+@dataclass(frozen=True)
+class CountPlan:
+    """A count in two parts: ``known`` tokens (added tokens, cached and short segments) and
+    ``pending`` segments still to tokenize, each with its cache key (None: not cached)."""
+
+    known: int
+    pending: list[tuple[bytes | None, str]]
+    pending_chars: int
+
+    def merged(self, other: CountPlan) -> CountPlan:
+        return CountPlan(
+            self.known + other.known,
+            [*self.pending, *other.pending],
+            self.pending_chars + other.pending_chars,
+        )
 
 
 def _is_token_id(value: Any) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from kvgate.tokenize.counter import PromptCounter
+from kvgate.tokenize.counter import CountPlan, PromptCounter
 from kvgate.tokenize.segments import CacheStats, SegmentCountCache
 
 THREAD_NAME_PREFIX = "kvgate-tokenize"
@@ -50,6 +50,11 @@ DEFAULT_RESERVED_WORKERS = 1
 _INITIAL_RATE = 2_000_000.0
 # Only jobs this big say something about throughput (small ones are all overhead).
 _RATE_SAMPLE_MIN_COST = 64 * 1024
+# Bodies up to this size are rendered, cut and looked up in the segment cache on the event
+# loop (that is Python holding the GIL: a worker would block the loop for it anyway), so
+# only uncached text goes to a worker. Larger ones go to a worker whole, in the tenant's
+# fair share, so the GIL is handed back to the loop between its slices.
+PLAN_ON_LOOP_MAX_COST = 1024 * 1024
 # How much of the input structure the fallback cost estimate walks on the event loop.
 _COST_WALK_NODES = 10_000
 
@@ -322,8 +327,9 @@ class TokenizerService:
     Every counting call takes the ``tenant`` it works for (fair share and the per-tenant
     bound), an optional ``cost`` (bytes of input; the request body's length is best,
     otherwise it is estimated) and ``bounded`` (False for work that must not be refused,
-    like counting a finished answer's output at settlement). Jobs no larger than
-    ``inline_max_cost`` skip the workers and run at once on the caller's thread.
+    like counting a finished answer's output at settlement). A count is planned on the
+    loop (bodies up to ``PLAN_ON_LOOP_MAX_COST``): when no more than ``inline_max_cost``
+    characters are left to tokenize after the segment cache, they are tokenized there too.
     """
 
     def __init__(
@@ -337,7 +343,7 @@ class TokenizerService:
         reserved_workers: int = DEFAULT_RESERVED_WORKERS,
         inline_max_cost: int = 0,
     ) -> None:
-        """``inline_max_cost``: jobs up to this cost run on the caller's thread (the loop)."""
+        """``inline_max_cost``: characters left to tokenize that are done on the loop."""
         self._counters: dict[str, PromptCounter] = {}
         self.inline_max_cost = inline_max_cost
         self._cache = SegmentCountCache(cache_size)
@@ -420,8 +426,8 @@ class TokenizerService:
     ) -> int:
         counter = self.counter(model)
 
-        def work() -> int:
-            return counter.count_chat(
+        def plan() -> CountPlan:
+            return counter.plan_chat(
                 messages,
                 tools,
                 add_generation_prompt=add_generation_prompt,
@@ -432,7 +438,7 @@ class TokenizerService:
 
         if cost is None:
             cost = approx_cost(messages, tools)
-        return await self._submit(tenant, work, cost, bounded)
+        return await self._count(tenant, cost, bounded, counter, plan)
 
     async def count_completion(
         self,
@@ -447,7 +453,9 @@ class TokenizerService:
         counter = self.counter(model)
         if cost is None:
             cost = approx_cost(prompt)
-        return await self._submit(tenant, lambda: counter.count_completion(prompt), cost, bounded)
+        return await self._count(
+            tenant, cost, bounded, counter, lambda: counter.plan_completion(prompt)
+        )
 
     async def count_text(
         self,
@@ -462,7 +470,28 @@ class TokenizerService:
         counter = self.counter(model)
         if cost is None:
             cost = approx_cost(text)
-        return await self._submit(tenant, lambda: counter.count_text(text), cost, bounded)
+        return await self._count(tenant, cost, bounded, counter, lambda: counter.plan_output(text))
+
+    async def _count(
+        self,
+        tenant: str,
+        cost: int,
+        bounded: bool,
+        counter: PromptCounter,
+        plan: Callable[[], CountPlan],
+    ) -> int:
+        """Plan on the loop (render, cut, cache lookups), tokenize what is left on a worker
+        unless it is small; a body too large to even plan on the loop goes whole."""
+        if self._closed:
+            raise RuntimeError("TokenizerService is closed")
+        if cost > PLAN_ON_LOOP_MAX_COST:
+            return await self._submit(tenant, lambda: counter.finish(plan()), cost, bounded)
+        counted = plan()
+        if counted.pending_chars <= self.inline_max_cost:
+            # Cached history and small prompts: about a tenth of a millisecond, less than
+            # a round trip through a worker.
+            return counter.finish(counted)
+        return await self._submit(tenant, lambda: counter.finish(counted), cost, bounded)
 
     async def run(
         self, tenant: str, work: Callable[[], T], *, cost: int = 1, bounded: bool = True
@@ -478,11 +507,6 @@ class TokenizerService:
     async def _submit(self, tenant: str, work: Callable[[], T], cost: int, bounded: bool) -> T:
         if self._closed:
             raise RuntimeError("TokenizerService is closed")
-        if cost <= self.inline_max_cost:
-            # A small prompt counts in about a tenth of a millisecond, less than handing it
-            # to a worker and back; most of that time (chat template, Python) holds the GIL,
-            # so a worker would block the loop for it anyway.
-            return work()
         job = self._scheduler.submit(tenant, work, cost, bounded=bounded)
         try:
             return cast(T, await job.future)
