@@ -15,14 +15,17 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from kvgate.tokenize import PromptCounter
-from kvgate.tokenize.engines import GPT2_PATTERN, CompiledBpeEngine, choose_engine, probe_corpus
+from kvgate.tokenize.engines import (
+    GPT2_PATTERN,
+    PARALLEL_MIN_CHARS,
+    QWEN2_PATTERN,
+    CompiledBpeEngine,
+    choose_engine,
+    cut_between_words,
+    probe_corpus,
+)
 from kvgate.tokenize.segments import AddedTokenSplitter, SegmentCountCache
 from tests.tokenize.conftest import CORPUS_PATH
-
-QWEN2_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 def reference_count(tokenizer: Tokenizer, text: str) -> int:
@@ -285,3 +288,33 @@ def test_normalized_added_tokens_without_normalizer() -> None:
     assert counter.engine == "compiled-bpe", counter.engine_reason
     for text in ["ab c<x>ab cab c", "<x>ab c<x>", "zab c"]:
         assert counter.count_text(text) == reference_count(tokenizer, text)
+
+
+# -- long segments are counted in parts, cut where a pre-token always ends --------------------
+
+
+def test_cuts_fall_between_ascii_words() -> None:
+    text = "alpha beta, gamma\u00a0delta 12 34 epsilon zeta" * 50
+    parts = cut_between_words(text, 4)
+    assert "".join(parts) == text
+    assert len(parts) == 4
+    for part in parts[1:]:
+        assert part[0] == " " and part[1].isascii() and part[1].isalpha()
+    # No letter-space-letter spot: one piece, never a wrong cut.
+    assert cut_between_words("日本語" * 1000 + "1 2 3 ,  ." * 100, 4) == [
+        "日本語" * 1000 + "1 2 3 ,  ." * 100
+    ]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_parallel_count_of_long_segments(
+    counter: PromptCounter, demo_tokenizer: Tokenizer, seed: int
+) -> None:
+    rng = random.Random(seed)
+    pieces = [random_text(rng) for _ in range(10)]
+    vocabulary = ["the", "kv", "cache", "x", "naïve", "e\u0301", "日本", "  ", "\n"]
+    words = rng.choices(vocabulary, k=80_000)
+    text = " ".join(words) + "".join(pieces)
+    assert len(text) >= PARALLEL_MIN_CHARS * 2
+    assert len(cut_between_words(text, 2)) == 2
+    assert counter.count_text(text) == reference_count(demo_tokenizer, text)
