@@ -48,7 +48,7 @@ PASSTHROUGH_PATHS = frozenset({"/v1/models"})
 USAGE_PATH = "/v1/kvgate/usage"
 HEADER_PREFIX = "x-kvgate-"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
-_PARSE_OFF_LOOP_BYTES = 64 * 1024
+_PARSE_OFF_LOOP_BYTES = 256 * 1024
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
 # instead of chunk by chunk. Well below the 8 MiB buffer limit of the shipped configs:
 # Envoy fails a BUFFERED body over its limit, so larger or unsized answers stay STREAMED.
