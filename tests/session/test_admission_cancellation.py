@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from kvgate.extproc.session import PARSE_OFF_LOOP_BYTES
 from kvgate.tokenize import PromptCounter
 from testbed.demo_model import demo_model_dir
 from tests.session.cancel_helpers import Gate, ReserveMode, install
@@ -27,9 +28,12 @@ from tests.session.conftest import SessionRig, _rig, body_msg, headers_msg, make
 
 MODEL = "qwen2.5-demo"
 MAX_TOKENS = 500
-# Over kvgate's 64 KiB threshold: parsed on a worker (tokenizers.run), an await point.
-BIG_TEXT = "Summarise the following notes. " + " ".join(
-    f"note {i} says the river runs past the old mill" for i in range(1700)
+# Over kvgate's parse threshold: parsed on a worker (tokenizers.run), an await point. The
+# whitespace keeps it a few thousand tokens, well inside the context.
+BIG_TEXT = (
+    "Summarise the following notes. "
+    + " " * PARSE_OFF_LOOP_BYTES
+    + " ".join(f"note {i} says the river runs past the old mill" for i in range(200))
 )
 BIG_CHAT: dict[str, Any] = {
     "model": MODEL,

@@ -48,7 +48,7 @@ PASSTHROUGH_PATHS = frozenset({"/v1/models"})
 USAGE_PATH = "/v1/kvgate/usage"
 HEADER_PREFIX = "x-kvgate-"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
-_PARSE_OFF_LOOP_BYTES = 256 * 1024
+PARSE_OFF_LOOP_BYTES = 256 * 1024
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
 # instead of chunk by chunk. Well below the 8 MiB buffer limit of the shipped configs:
 # Envoy fails a BUFFERED body over its limit, so larger or unsized answers stay STREAMED.
@@ -343,7 +343,7 @@ class StreamSession:
         )
 
     async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
-        if len(body) <= _PARSE_OFF_LOOP_BYTES:
+        if len(body) <= PARSE_OFF_LOOP_BYTES:
             return parse_request(self._path, body)
         # Megabytes of JSON take tens of milliseconds to parse: off the event loop, in the
         # tenant's fair share of the workers, so other tenants' decisions go on.
@@ -424,7 +424,8 @@ class StreamSession:
         if not http.end_of_stream:
             return messages.continue_response_body(replacement)
         cause = self._end_cause()
-        # Record the settlement before replying: the reply may never be read.
+        # Settled before replying (the reply may never be read); the store write goes on
+        # in the background.
         charged = await self._settle(cause)
         meta = self._metadata("admitted")
         if charged is not None and self.ticket is not None:
@@ -472,9 +473,9 @@ class StreamSession:
             # Cancelled while counting: settle in the background with what is known.
             self._svc.settler.settle(ticket, cause, ResponseReading(streamed=ticket.request.stream))
             raise
-        charged, task = self._svc.settler.settle(ticket, cause, reading)
-        # Shielded: if this stream is cancelled right now, the settlement still lands.
-        await asyncio.shield(task)
+        # The store write is a tracked task of its own: it lands whatever happens to this
+        # stream, and the answer's last chunk does not wait for it (a Redis round trip).
+        charged, _ = self._svc.settler.settle(ticket, cause, reading)
         return charged
 
     def close(self, *, shutting_down: bool) -> None:
