@@ -24,13 +24,23 @@ from typing import Any
 from bench.stats import Spread
 
 REFERENCE = "envoy"
-ARM_ORDER = ("direct", "envoy", "noop", "kvgate", "kvgate-redis", "kvgate-split", "litellm")
+ARM_ORDER = (
+    "direct",
+    "envoy",
+    "noop",
+    "kvgate",
+    "kvgate-redis",
+    "kvgate-redis-2",
+    "kvgate-split",
+    "litellm",
+)
 COLORS = {
     "direct": "#7f7f7f",
     "envoy": "#1f77b4",
     "noop": "#9467bd",
     "kvgate": "#2ca02c",
     "kvgate-redis": "#17becf",
+    "kvgate-redis-2": "#8c564b",
     "kvgate-split": "#bcbd22",
     "litellm": "#d62728",
 }

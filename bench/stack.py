@@ -78,9 +78,15 @@ ARM_ORDER = (
     "noop",
     "kvgate",
     "kvgate-redis",
+    "kvgate-redis-2",
     "kvgate-split",
     "litellm",
 )
+
+
+# The two kvgate processes of the kvgate-redis-2 arm.
+PAIR = ("kvgate-redis-a", "kvgate-redis-b")
+EXTPROC_CLUSTER = "kvgate_extproc"
 
 
 @dataclass
@@ -218,6 +224,21 @@ def envoy_without_extproc(src: Path, dst: Path) -> Path:
     return dst
 
 
+def add_extproc_endpoints(path: Path, ports: tuple[int, ...]) -> Path:
+    """More endpoints in the ext_proc cluster (several kvgate processes behind one Envoy)."""
+    config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == EXTPROC_CLUSTER:
+            endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            template = endpoints[0]
+            for port in ports:
+                endpoint = yaml.safe_load(yaml.safe_dump(template))
+                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
+                endpoints.append(endpoint)
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
 def envoy_unguarded(path: Path) -> Path:
     """The same rendered config with the routing guard replaced by one route to the backend.
 
@@ -301,7 +322,7 @@ class BenchStack:
             self._ports[name] = port
         return self._ports[name]
 
-    def kvgate_config(self, name: str, store: str) -> dict[str, Any]:
+    def kvgate_config(self, name: str, store: str, *, key_prefix: str = "") -> dict[str, Any]:
         config: dict[str, Any] = {
             "server": {
                 "grpc_listen": f"127.0.0.1:{self._port(f'{name}:grpc')}",
@@ -347,10 +368,16 @@ class BenchStack:
             ],
         }
         if store != "memory":
-            config["redis"] = {"key_prefix": self.redis_prefix}
+            config["redis"] = {"key_prefix": key_prefix or self.redis_prefix}
         return config
 
-    def _envoy(self, name: str, src: Path, extproc_port: int | None) -> ManagedProcess:
+    def _envoy(
+        self,
+        name: str,
+        src: Path,
+        extproc_port: int | None,
+        more_extproc_ports: tuple[int, ...] = (),
+    ) -> ManagedProcess:
         listen, admin = self._port(f"envoy-{name}:listen"), self._port(f"envoy-{name}:admin")
         dst = self.work_dir / f"envoy-{name}.yaml"
         render_envoy_config(
@@ -363,6 +390,8 @@ class BenchStack:
         )
         if extproc_port is None:
             envoy_without_extproc(dst, dst)
+        if more_extproc_ports:
+            add_extproc_endpoints(dst, more_extproc_ports)
         if name in ("envoy", "noop"):
             envoy_unguarded(dst)
         argv = [
@@ -435,12 +464,10 @@ class BenchStack:
         self.procs["sim"] = sim
         started: list[tuple[str, ManagedProcess]] = []
 
-        def kvgate(name: str, store: str) -> ManagedProcess:
+        def kvgate(name: str, store: str, key_prefix: str = "") -> ManagedProcess:
             path = self.work_dir / f"{name}.yaml"
-            path.write_text(
-                yaml.safe_dump(self.kvgate_config(name, store), sort_keys=False),
-                encoding="utf-8",
-            )
+            config = self.kvgate_config(name, store, key_prefix=key_prefix)
+            path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
             argv = [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(path)]
             argv += self.kvgate_args
             proc = ManagedProcess(name, argv, log_dir=self.log_dir).start()
@@ -456,6 +483,15 @@ class BenchStack:
                 kvgate("kvgate-redis", self.redis_url)
             else:
                 self.skipped["kvgate-redis"] = why
+        if "kvgate-redis-2" in want:
+            # Two kvgate processes sharing one Redis state, both endpoints of Envoy's ext_proc
+            # cluster: how a pod scales past one core.
+            why = redis_available(self.redis_url)
+            if why is None:
+                for name in PAIR:
+                    kvgate(name, self.redis_url, key_prefix=f"{self.redis_prefix}-pair")
+            else:
+                self.skipped["kvgate-redis-2"] = why
         if "noop" in want:
             argv = [
                 sys.executable,
@@ -471,6 +507,7 @@ class BenchStack:
             self._start_litellm()
 
         envoys: dict[str, tuple[Path, int | None]] = {}
+        more_ports: dict[str, tuple[int, ...]] = {}
         if "envoy" in want:
             envoys["envoy"] = (ENVOY_CONFIG, None)
         if "noop" in want:
@@ -481,8 +518,11 @@ class BenchStack:
             envoys["kvgate-split"] = (OBSERVABILITY_CONFIG, self._port("kvgate-memory:grpc"))
         if "kvgate-redis" in want and "kvgate-redis" not in self.skipped:
             envoys["kvgate-redis"] = (ENVOY_CONFIG, self._port("kvgate-redis:grpc"))
+        if "kvgate-redis-2" in want and "kvgate-redis-2" not in self.skipped:
+            envoys["kvgate-redis-2"] = (ENVOY_CONFIG, self._port(f"{PAIR[0]}:grpc"))
+            more_ports["kvgate-redis-2"] = (self._port(f"{PAIR[1]}:grpc"),)
         for name, (src, port) in envoys.items():
-            self._envoy(name, src, port).start()
+            self._envoy(name, src, port, more_ports.get(name, ())).start()
 
         # Readiness.
         sim.wait_http(f"http://127.0.0.1:{self.sim_port}/health", 120)
@@ -490,8 +530,9 @@ class BenchStack:
             try:
                 proc.wait_http(f"http://127.0.0.1:{self._port(f'{name}:http')}/readyz", 120)
             except ProcessError as exc:
-                if name == "kvgate-redis":
-                    self.skipped["kvgate-redis"] = f"kvgate with Redis did not start: {exc}"
+                arm = "kvgate-redis-2" if name in PAIR else name
+                if arm in ("kvgate-redis", "kvgate-redis-2"):
+                    self.skipped[arm] = f"kvgate with Redis did not start: {exc}"
                     proc.stop()
                 else:
                     raise
@@ -515,6 +556,10 @@ class BenchStack:
                 pids["kvgate"] = self._pid("kvgate-memory")
             elif name == "kvgate-redis":
                 pids["kvgate"] = self._pid("kvgate-redis")
+            elif name == "kvgate-redis-2":
+                pids["kvgate"] = self._pid(PAIR[0])
+                pids["kvgate-b"] = self._pid(PAIR[1])
+            if name.startswith("kvgate-redis"):
                 redis_pid = self._redis_pid()
                 if redis_pid is not None:
                     pids["redis"] = redis_pid
@@ -699,7 +744,7 @@ class BenchStack:
             if name in self.procs:
                 with contextlib.suppress(Exception):
                     self.procs[name].stop(timeout=10)
-        if "kvgate-redis" in self.procs:
+        if "kvgate-redis" in self.procs or PAIR[0] in self.procs:
             self._clean_redis()
 
     def _clean_redis(self) -> None:

@@ -24,6 +24,7 @@ from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler
 from kvgate.lifecycle.leases import renew_interval_s
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
+from kvgate.metrics.definitions import CountingCollector
 from kvgate.metrics.http import create_http_app
 from kvgate.policy import MonotonicClock, Reservation
 from kvgate.reload import ConfigReloader
@@ -78,6 +79,7 @@ class KvgateServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
+        self.metrics.registry.register(CountingCollector(self.tokenizers))
         self.capacity = CapacityRegistry()
         tasks = BackgroundTasks()
         leases = LeaseKeeper(

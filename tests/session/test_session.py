@@ -299,3 +299,27 @@ async def test_disconnect_at_every_phase_settles_once(
         s.value for m in disconnects.collect() for s in m.samples if s.name.endswith("_total")
     )
     assert total == (0 if phase == "after_headers" else 1)
+
+
+async def test_counting_metrics(rig: SessionRig) -> None:
+    """The engine per model and the segment cache are exported: a resent long prompt is a
+    cache hit."""
+    from prometheus_client import generate_latest
+
+    long_chat = dict(CHAT, messages=[{"role": "user", "content": "Explain the KV cache. " * 20}])
+    for _ in range(2):
+        stream = rig.stream()
+        await stream.exchange(headers_msg())
+        reply = await stream.exchange(body_msg(long_chat))
+        assert reply.WhichOneof("response") == "request_body"
+        stream.reset()
+    text = generate_latest(rig.server.metrics.registry).decode()
+    assert 'kvgate_counting_engine_info{engine="compiled-bpe",model="qwen2.5-demo"} 1.0' in text
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith("kvgate_prompt_segment_cache")
+    }
+    assert samples["kvgate_prompt_segment_cache_hits_total"] >= 1
+    assert samples["kvgate_prompt_segment_cache_misses_total"] >= 1
+    assert samples["kvgate_prompt_segment_cache_entries"] >= 1

@@ -6,7 +6,12 @@ values are never used as labels), `reason`, `outcome` and `cause` are enums.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 
 class Metrics:
@@ -206,3 +211,50 @@ class Metrics:
             "Settlements dropped because the queue waiting for the shared store was full.",
             registry=r,
         )
+
+
+class CountingSource(Protocol):
+    """What the counting collector reads at scrape time (the TokenizerService)."""
+
+    def cache_stats(self) -> CacheStatsLike: ...
+
+    def engines(self) -> dict[str, str]: ...
+
+
+class CacheStatsLike(Protocol):
+    hits: int
+    misses: int
+    size: int
+    capacity: int
+
+
+class CountingCollector(Collector):
+    """The prompt-segment cache and each model's counting engine, read when scraped."""
+
+    def __init__(self, source: CountingSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._source.cache_stats()
+        hits = CounterMetricFamily(
+            "kvgate_prompt_segment_cache_hits",
+            "Prompt segments whose token count came from the cache.",
+        )
+        hits.add_metric([], stats.hits)
+        misses = CounterMetricFamily(
+            "kvgate_prompt_segment_cache_misses",
+            "Prompt segments that had to be tokenized (then cached).",
+        )
+        misses.add_metric([], stats.misses)
+        entries = GaugeMetricFamily(
+            "kvgate_prompt_segment_cache_entries", "Segment counts held in the cache."
+        )
+        entries.add_metric([], stats.size)
+        engines = GaugeMetricFamily(
+            "kvgate_counting_engine_info",
+            "1 per model: the engine counting its prompts (compiled-bpe or reference).",
+            labels=["model", "engine"],
+        )
+        for model, engine in sorted(self._source.engines().items()):
+            engines.add_metric([model, engine], 1)
+        return [hits, misses, entries, engines]

@@ -379,6 +379,10 @@ class TokenizerService:
     def cache_stats(self) -> CacheStats:
         return self._cache.stats()
 
+    def engines(self) -> dict[str, str]:
+        """Model -> the engine counting its segments (compiled-bpe or reference)."""
+        return {name: counter.engine for name, counter in self._counters.items()}
+
     @property
     def max_workers(self) -> int:
         return self._scheduler.workers
