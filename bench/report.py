@@ -21,19 +21,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.stack import ARM_ORDER
 from bench.stats import Spread
 
 REFERENCE = "envoy"
-ARM_ORDER = (
-    "direct",
-    "envoy",
-    "noop",
-    "kvgate",
-    "kvgate-redis",
-    "kvgate-redis-2",
-    "kvgate-split",
-    "litellm",
-)
 COLORS = {
     "direct": "#7f7f7f",
     "envoy": "#1f77b4",
