@@ -72,16 +72,10 @@ PARALLEL_MIN_CHARS = 64 * 1024
 # How far past a planned cut to look for a letter-space-letter spot before giving up on it.
 _CUT_SEARCH_CHARS = 4096
 _ASCII_LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_parallel_pool: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _parallel_pool
-    if _parallel_pool is None:
-        _parallel_pool = ThreadPoolExecutor(
-            max_workers=os.cpu_count() or 2, thread_name_prefix="kvgate-bpe"
-        )
-    return _parallel_pool
+# Threads start on first use; tiktoken releases the GIL while it encodes.
+_PARALLEL_POOL = ThreadPoolExecutor(
+    max_workers=os.cpu_count() or 2, thread_name_prefix="kvgate-bpe"
+)
 
 
 def cut_between_words(text: str, parts: int) -> list[str]:
@@ -155,7 +149,7 @@ class CompiledBpeEngine:
                 text, min(self._threads, len(text) // (PARALLEL_MIN_CHARS // 2))
             )
             if len(parts) > 1:
-                return sum(_pool().map(self._count_whole, parts))
+                return sum(_PARALLEL_POOL.map(self._count_whole, parts))
         return self._count_whole(text)
 
     def _count_whole(self, text: str) -> int:
