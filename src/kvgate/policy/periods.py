@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import enum
+import functools
+import math
 from datetime import UTC, datetime, timedelta
+
+# POSIX time has no leap seconds: every UTC day is exactly this long, and a month starts on
+# a day boundary, so the day's number decides both keys.
+_SECONDS_PER_DAY = 86400
 
 
 class Period(enum.StrEnum):
@@ -12,7 +18,13 @@ class Period(enum.StrEnum):
 
 
 def period_key(period: Period, wall: float) -> str:
-    moment = datetime.fromtimestamp(wall, UTC)
+    # Called several times per request: strftime once per day, not per call.
+    return _period_key_of_day(period, math.floor(wall / _SECONDS_PER_DAY))
+
+
+@functools.lru_cache(maxsize=64)
+def _period_key_of_day(period: Period, day: int) -> str:
+    moment = datetime.fromtimestamp(day * _SECONDS_PER_DAY, UTC)
     return moment.strftime("%Y-%m-%d" if period is Period.DAY else "%Y-%m")
 
 
