@@ -1571,9 +1571,13 @@ def test_dockerfile_structure() -> None:
         "SHELL",
     }
     assert set(keywords) <= known, set(keywords) - known
-    assert keywords[0] == "FROM"
+    # Only build arguments (the base image's) may come before the first FROM.
+    first_from = keywords.index("FROM")
+    assert set(keywords[:first_from]) <= {"ARG"}
+    base_args = dict(a.partition("=")[::2] for _, a in instructions[:first_from])
     froms = [a for k, a in instructions if k == "FROM"]
-    assert froms[-1].split()[0] == "python:3.11-slim"
+    base = re.sub(r"\$\{(\w+)\}", lambda m: base_args[m.group(1)], froms[-1].split()[0])
+    assert base.split("@")[0] == "python:3.11-slim"
     last_from = max(i for i, k in enumerate(keywords) if k == "FROM")
     users = [a for k, a in instructions[last_from:] if k == "USER"]
     assert users, "the final stage must switch to a non-root user"
