@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvgate.admin.auth import OperatorAuth, OperatorAuthInterceptor, load_operator_tokens
 from kvgate.admin.service import AdminService
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
+from kvgate.config.secrets import redis_passwords, url_has_password
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.handoff import HandoffRegistry
 from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler
@@ -77,6 +80,8 @@ class KvgateServer:
         self.snapshots = SnapshotHolder(compile_snapshot(config))
         self.health = health.aio.HealthServicer()
         self._health_tasks: set[asyncio.Task[None]] = set()
+        # Secrets first: a missing token or password stops the start with the field's name.
+        self.operator_auth = OperatorAuth(load_operator_tokens(config.server))
         self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
@@ -126,6 +131,18 @@ class KvgateServer:
         redis_cfg = config.redis
         sentinel = redis_cfg.sentinel
         nodes = [node.rpartition(":") for node in sentinel.nodes] if sentinel else []
+        password, sentinel_password = redis_passwords(config)
+        # Never the values: which field holds a secret inline, and what to use instead.
+        if url_has_password(config.store):
+            log.warning(
+                "the store URL carries the Redis password inline; prefer redis.password_file "
+                "(a Secret volume) or redis.password_env, and keep the config file secret-free"
+            )
+        if sentinel is not None and sentinel.password is not None:
+            log.warning(
+                "redis.sentinel.password is inline in the config file; prefer "
+                "redis.sentinel.password_file or redis.sentinel.password_env"
+            )
         settings = RedisSettings(
             url=config.store,
             key_prefix=redis_cfg.key_prefix,
@@ -134,7 +151,8 @@ class KvgateServer:
             cluster=redis_cfg.cluster,
             sentinel_master=sentinel.master if sentinel else None,
             sentinel_nodes=tuple((host, int(port)) for host, _, port in nodes),
-            sentinel_password=sentinel.password if sentinel else None,
+            sentinel_password=(sentinel_password or sentinel.password) if sentinel else None,
+            password=password,
             max_connections=redis_cfg.max_connections,
             settled_id_retention_s=redis_cfg.settled_id_retention_s,
         )
@@ -226,6 +244,10 @@ class KvgateServer:
             raise OSError(f"cannot listen on {server_cfg.grpc_listen} (gRPC)")
         await self._grpc.start()
 
+        for warning in self.operator_auth.exposure_warnings(
+            {"server.http_listen": server_cfg.http_listen}
+        ):
+            log.warning(warning)
         host, _, port = server_cfg.http_listen.rpartition(":")
         self._http = web.AppRunner(
             create_http_app(
@@ -233,6 +255,9 @@ class KvgateServer:
                 lambda: self._ready,
                 self._all_tenants_usage,
                 before_scrape=self.services.refresh_backend_gauges,
+                authorize_admin=self.operator_auth.for_listener(
+                    server_cfg.http_listen, "server.http_listen"
+                ),
             ),
             access_log=None,
         )
@@ -249,6 +274,7 @@ class KvgateServer:
                 tokenizers=self.tokenizers,
                 metrics=self.metrics,
                 on_applied=self.capacity.sync,
+                prepare=self._prepare_reload,
             )
             self.reloader.start_watching()
         await self._start_admin(options)
@@ -260,8 +286,41 @@ class KvgateServer:
             extra={"grpc_port": self.grpc_port, "http_port": self.http_port},
         )
 
+    def _prepare_reload(self, config: KvgateConfig) -> Callable[[], None]:
+        """Re-read the operator token(s) of the new config (a failure rejects the reload)."""
+        tokens = load_operator_tokens(config.server)
+
+        def apply() -> None:
+            had_token = self.operator_auth.configured
+            self.operator_auth.replace(tokens)
+            server_cfg = config.server
+            if not had_token:
+                return  # the start-up warnings (if any) still hold
+            for warning in self.operator_auth.exposure_warnings(
+                {
+                    "server.http_listen": server_cfg.http_listen,
+                    "server.admin_listen": server_cfg.admin_listen,
+                }
+            ):
+                log.warning(warning)
+
+        return apply
+
     async def _start_admin(self, options: list[tuple[str, int]]) -> None:
-        self._admin = grpc.aio.server(options=options)
+        # Not-loopback without a token: the server still starts and refuses every call with
+        # PERMISSION_DENIED naming the setting (and a warning now), so the data plane never
+        # depends on the operator surface and the operator who tries learns why.
+        admin_listen = self.config.server.admin_listen
+        for warning in self.operator_auth.exposure_warnings({"server.admin_listen": admin_listen}):
+            log.warning(warning)
+        self._admin = grpc.aio.server(
+            options=options,
+            interceptors=[
+                OperatorAuthInterceptor(
+                    self.operator_auth.for_listener(admin_listen, "server.admin_listen")
+                )
+            ],
+        )
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminService(self.services, self.snapshots, self.reloader), self._admin
         )

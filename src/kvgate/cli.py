@@ -22,7 +22,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     configure_logging(args.log_level or config.server.log_level)
-    run(config, Path(args.config))
+    try:
+        run(config, Path(args.config))
+    except ConfigError as exc:  # a secret the config names cannot be read
+        print(exc, file=sys.stderr)
+        return 2
     return 0
 
 
@@ -32,6 +36,13 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.secrets:
+        from kvgate.config.secrets import check_secrets
+
+        problems = check_secrets(config)
+        if problems:
+            print("\n".join(problems), file=sys.stderr)
+            return 2
     if args.load_tokenizers:
         from kvgate.app import load_tokenizers
 
@@ -75,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config")
     check.add_argument(
         "--load-tokenizers", action="store_true", help="also load every model's tokenizer"
+    )
+    check.add_argument(
+        "--secrets",
+        action="store_true",
+        help="also read the operator token and Redis passwords the config names (never shown)",
     )
     check.set_defaults(func=_check_config)
 

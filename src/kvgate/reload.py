@@ -46,6 +46,10 @@ FIELD_CLASSES: dict[str, str] = {
     "server.decision_timeout_s": RELOAD,
     "server.cut_request_charge": RELOAD,
     "server.grpc_max_message_bytes": RESTART,  # gRPC server options at start
+    # Read again on every reload (a missing or unusable token rejects the reload) and the
+    # file also whenever it changes (kvgate.admin.auth).
+    "server.admin_token_env": RELOAD,
+    "server.admin_token_file": RELOAD,
     "store": RESTART,  # the store is built once
     "redis.key_prefix": RESTART,
     "redis.timeout_s": RESTART,
@@ -60,6 +64,11 @@ FIELD_CLASSES: dict[str, str] = {
     "redis.sentinel.master": RESTART,
     "redis.sentinel.nodes": RESTART,
     "redis.sentinel.password": RESTART,
+    # Read once at start, like the connection they authenticate: rotate by restarting.
+    "redis.password_env": RESTART,
+    "redis.password_file": RESTART,
+    "redis.sentinel.password_env": RESTART,
+    "redis.sentinel.password_file": RESTART,
     # Tenants, models and backends are compiled into the snapshot; rate buckets resize to
     # new specs, backend ledgers take new limits for new work.
     "tenants.*.name": RELOAD,
@@ -134,8 +143,13 @@ class ConfigReloader:
         metrics: Metrics,
         poll_interval_s: float = 2.0,
         on_applied: Callable[[KvgateConfig], Awaitable[None]] | None = None,
+        prepare: Callable[[KvgateConfig], Callable[[], None]] | None = None,
     ) -> None:
         self._on_applied = on_applied
+        # Run (in a worker thread) before the swap: reads what the new config names outside
+        # itself (the operator token); raising rejects the reload. What it returns is called
+        # right after the swap.
+        self._prepare = prepare
         self._path = path
         self._snapshots = snapshots
         self._tokenizers = tokenizers
@@ -169,6 +183,9 @@ class ConfigReloader:
                         f"{self._path}: {', '.join(blocked)} cannot change without a restart "
                         "(nothing of this file was applied)"
                     )
+                apply_prepared = (
+                    await asyncio.to_thread(self._prepare, config) if self._prepare else None
+                )
                 await asyncio.to_thread(self._load_tokenizers, old, config)
                 snapshot = compile_snapshot(config)
             except Exception as exc:  # any failure keeps the old snapshot
@@ -180,6 +197,8 @@ class ConfigReloader:
                 )
                 return False
             self._snapshots.swap(snapshot)
+            if apply_prepared is not None:
+                apply_prepared()
             self._apply_server_settings(old, config)
             if self._on_applied is not None:
                 try:

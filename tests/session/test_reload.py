@@ -177,6 +177,16 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "redis.sentinel.master": {"redis.sentinel.master": "other"},
     "redis.sentinel.nodes": {"redis.sentinel.nodes": ["sentinel-b:26379"]},
     "redis.sentinel.password": {"redis.sentinel.password": "changed"},
+    "redis.password_env": {"redis.password_env": "KVGATE_REDIS_PASSWORD"},
+    "redis.password_file": {"redis.password_file": "/run/secrets/redis/password"},
+    "redis.sentinel.password_env": {
+        "redis.sentinel.password": None,
+        "redis.sentinel.password_env": "KVGATE_SENTINEL_PASSWORD",
+    },
+    "redis.sentinel.password_file": {
+        "redis.sentinel.password": None,
+        "redis.sentinel.password_file": "/run/secrets/sentinel/password",
+    },
 }
 
 

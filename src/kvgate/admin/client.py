@@ -1,10 +1,14 @@
-"""`kvgate usage`, `kvgate backends`, `kvgate reload`: a small client of the admin API."""
+"""`kvgate usage`, `kvgate backends`, `kvgate reload`: a small client of the admin API.
+
+The operator token (when kvgate has one) comes from `--token-file` or the environment variable
+KVGATE_ADMIN_TOKEN, never from the command line (it would show in `ps` and shell history)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
@@ -12,12 +16,26 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
+from kvgate.config import ConfigError
+from kvgate.config.secrets import read_secret_file
+
+TOKEN_ENV = "KVGATE_ADMIN_TOKEN"
 
 
-async def _call(address: str, method: str, request: Any, timeout_s: float) -> Any:
+def operator_token(token_file: str | None) -> str | None:
+    """The token to send: `--token-file` first, else $KVGATE_ADMIN_TOKEN, else none."""
+    if token_file is not None:
+        return read_secret_file(token_file, "--token-file")
+    return os.environ.get(TOKEN_ENV) or None
+
+
+async def _call(
+    address: str, method: str, request: Any, timeout_s: float, token: str | None = None
+) -> Any:
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with grpc.aio.insecure_channel(address) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
-        return await getattr(stub, method)(request, timeout=timeout_s)
+        return await getattr(stub, method)(request, timeout=timeout_s, metadata=metadata)
 
 
 def _print_usage(usage: admin_pb2.TenantUsage) -> None:
@@ -34,14 +52,23 @@ def _print_usage(usage: admin_pb2.TenantUsage) -> None:
 
 def run_admin_command(args: argparse.Namespace) -> int:
     try:
+        token = operator_token(args.token_file)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+    def call(method: str, request: Any) -> Any:
+        return asyncio.run(_call(args.admin, method, request, args.timeout, token))
+
+    try:
         if args.admin_command == "usage":
             if args.tenant:
                 request: Any = admin_pb2.GetTenantUsageRequest(tenant=args.tenant)
-                reply = asyncio.run(_call(args.admin, "GetTenantUsage", request, args.timeout))
+                reply = call("GetTenantUsage", request)
                 tenants = [reply]
             else:
                 request = admin_pb2.ListTenantUsageRequest()
-                reply = asyncio.run(_call(args.admin, "ListTenantUsage", request, args.timeout))
+                reply = call("ListTenantUsage", request)
                 tenants = list(reply.tenants)
             if args.json:
                 print(json.dumps([MessageToDict(t) for t in tenants], indent=2))
@@ -49,9 +76,7 @@ def run_admin_command(args: argparse.Namespace) -> int:
                 for usage in tenants:
                     _print_usage(usage)
         elif args.admin_command == "backends":
-            reply = asyncio.run(
-                _call(args.admin, "ListBackends", admin_pb2.ListBackendsRequest(), args.timeout)
-            )
+            reply = call("ListBackends", admin_pb2.ListBackendsRequest())
             if args.json:
                 print(json.dumps(MessageToDict(reply), indent=2))
             for b in reply.backends if not args.json else ():
@@ -60,9 +85,7 @@ def run_admin_command(args: argparse.Namespace) -> int:
                     f"requests {b.requests_in_flight}/{b.max_concurrent_requests}"
                 )
         else:
-            reply = asyncio.run(
-                _call(args.admin, "Reload", admin_pb2.ReloadRequest(), args.timeout)
-            )
+            reply = call("Reload", admin_pb2.ReloadRequest())
             if not reply.applied:
                 print(f"reload refused: {reply.error}", file=sys.stderr)
                 return 1
@@ -82,6 +105,10 @@ def add_admin_commands(subparsers: Any) -> None:
         command = subparsers.add_parser(name, help=help_text)
         command.add_argument("--admin", default="127.0.0.1:50052", help="admin API address")
         command.add_argument("--timeout", type=float, default=5.0)
+        command.add_argument(
+            "--token-file",
+            help=f"file holding the operator token (default: ${TOKEN_ENV}, else no token)",
+        )
         if name != "reload":
             command.add_argument("--json", action="store_true")
         if name == "usage":

@@ -8,6 +8,7 @@ import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -58,6 +59,13 @@ class ServerConfig(_Strict):
     # older rule: nothing unless answer text reached the client, then prompt + counted text.
     cut_request_charge: Literal["backend_work", "visible_text"] = "backend_work"
     grpc_max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=4 * 1024 * 1024)
+    # The operator token: when set, `GET /admin/usage` and the admin gRPC API need
+    # `Authorization: Bearer <token>`. Without one they answer only on a loopback listener.
+    # `admin_token_env` names an environment variable; `admin_token_file` a file (a Kubernetes
+    # Secret volume), read at start, on every reload and whenever it changes. With both set,
+    # either token is accepted (a rotation: the new one in the file, the old one in the env).
+    admin_token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    admin_token_file: str | None = Field(default=None, min_length=1)
 
     @field_validator("grpc_listen", "http_listen", "admin_listen")
     @classmethod
@@ -291,7 +299,11 @@ class SentinelConfig(_Strict):
 
     master: str = Field(min_length=1, description="the monitored master's name")
     nodes: list[str] = Field(min_length=1, description="sentinels as HOST:PORT")
-    password: str | None = Field(default=None, description="the sentinels' own password")
+    password: str | None = Field(
+        default=None, repr=False, description="the sentinels' own password (prefer _env/_file)"
+    )
+    password_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    password_file: str | None = Field(default=None, min_length=1)
 
     @field_validator("nodes")
     @classmethod
@@ -301,6 +313,13 @@ class SentinelConfig(_Strict):
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"'{node}' must be HOST:PORT")
         return value
+
+    @model_validator(mode="after")
+    def _one_password(self) -> SentinelConfig:
+        given = [self.password, self.password_env, self.password_file]
+        if sum(value is not None for value in given) > 1:
+            raise ValueError("set one of password, password_env and password_file")
+        return self
 
 
 class RedisConfig(_Strict):
@@ -330,11 +349,18 @@ class RedisConfig(_Strict):
     # The URL is one node of a Redis Cluster.
     cluster: bool = False
     sentinel: SentinelConfig | None = None
+    # The password (for Sentinel: the master's) from an environment variable or a file (a
+    # Kubernetes Secret volume) instead of the `store` URL; read once at start. The URL may
+    # still give the user name (redis://kvgate@redis:6379/0) for a Redis ACL user.
+    password_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    password_file: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _one_topology(self) -> RedisConfig:
         if self.cluster and self.sentinel is not None:
             raise ValueError("cluster and sentinel are mutually exclusive")
+        if self.password_env is not None and self.password_file is not None:
+            raise ValueError("set password_env or password_file, not both")
         return self
 
 
@@ -361,6 +387,16 @@ class KvgateConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_references(self) -> KvgateConfig:
+        redis_cfg = self.redis
+        if (
+            self.uses_redis
+            and url_has_password(self.store)
+            and (redis_cfg.password_env or redis_cfg.password_file)
+        ):
+            raise ValueError(
+                "store: the URL carries a password and redis.password_env/password_file "
+                "gives another; keep only one (preferably the env or file form)"
+            )
         _unique("tenants", [t.name for t in self.tenants])
         _unique("models", [m.name for m in self.models])
         _unique("backends", [b.name for b in self.backends])
@@ -393,6 +429,15 @@ class KvgateConfig(_Strict):
                     f"(known: {', '.join(sorted(backends)) or 'none'})"
                 )
         return self
+
+
+def url_has_password(url: str) -> bool:
+    """A redis:// URL with a password inline (`user:secret@host` or `?password=`)."""
+    try:
+        parts = urlsplit(url)
+        return bool(parts.password) or "password" in parse_qs(parts.query)
+    except ValueError:
+        return False
 
 
 def _unique(section: str, names: list[str]) -> None:

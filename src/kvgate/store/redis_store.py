@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -111,7 +112,10 @@ class RedisSettings:
     cluster: bool = False
     sentinel_master: str | None = None
     sentinel_nodes: tuple[tuple[str, int], ...] = ()
-    sentinel_password: str | None = None
+    sentinel_password: str | None = dataclasses.field(default=None, repr=False)
+    # The password (for Sentinel: the master's) when the URL carries none, read by the
+    # composition root from redis.password_env / redis.password_file.
+    password: str | None = dataclasses.field(default=None, repr=False)
     # Calls in flight at once per replica (and connections per Redis node); more wait their
     # turn, within the same timeout.
     max_connections: int = 64
@@ -128,6 +132,9 @@ def connect(settings: RedisSettings) -> aioredis.Redis | RedisCluster:
     have been lost, not the call), and they would stretch a request's wait past the timeout.
     The store's callers decide what to do after a failure.
     """
+    credentials: dict[str, Any] = {}
+    if settings.password is not None:
+        credentials["password"] = settings.password  # a password in the URL wins
     common: dict[str, Any] = {
         "socket_timeout": settings.timeout_s,
         "socket_connect_timeout": settings.connect_timeout_s,
@@ -142,6 +149,7 @@ def connect(settings: RedisSettings) -> aioredis.Redis | RedisCluster:
             socket_connect_timeout=settings.connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
             max_connections=settings.max_connections,
+            **credentials,
         )
     if settings.sentinel_master:
         # The URL gives the master's credentials, database and TLS; its host is not used.
@@ -151,6 +159,8 @@ def connect(settings: RedisSettings) -> aioredis.Redis | RedisCluster:
             for k, v in pool_kwargs.items()
             if k in ("username", "password", "db", "ssl", "ssl_cert_reqs", "ssl_ca_certs")
         }
+        if master_kwargs.get("password") is None:
+            master_kwargs.update(credentials)
         sentinel = Sentinel(
             list(settings.sentinel_nodes),
             sentinel_kwargs={
@@ -160,7 +170,7 @@ def connect(settings: RedisSettings) -> aioredis.Redis | RedisCluster:
             },
         )
         return sentinel.master_for(settings.sentinel_master, **common, **master_kwargs)
-    return aioredis.Redis.from_url(settings.url, **common)
+    return aioredis.Redis.from_url(settings.url, **common, **credentials)
 
 
 class StoreInconsistency(RuntimeError):

@@ -1,0 +1,260 @@
+"""Who may use kvgate's operator surfaces: `GET /admin/usage` and the kvgate.admin.v1 API.
+
+- With an operator token configured (`server.admin_token_file` / `server.admin_token_env`),
+  every call needs `Authorization: Bearer <token>` (HTTP header or gRPC metadata), compared in
+  constant time; 401 / UNAUTHENTICATED otherwise, wherever the listener is.
+- Without a token, they answer only on a loopback listener (127.0.0.0/8, ::1, localhost): on
+  any other address /admin/usage answers 403 and every admin gRPC call PERMISSION_DENIED,
+  with a message naming the settings. The decision is made on the listener, never on the
+  peer's address: behind a proxy in the same network namespace (an Istio sidecar forwards
+  from 127.0.0.6) a remote client would look local.
+
+/metrics, /healthz, /readyz, the gRPC health service and server reflection (the API's schema,
+public in protos/) stay open.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvgate.config.model import ConfigError, ServerConfig
+from kvgate.config.secrets import read_secret_env, read_secret_file
+from kvgate.openai.errors import INVALID_REQUEST_ERROR, ApiError
+
+log = logging.getLogger("kvgate.admin.auth")
+
+ADMIN_METHOD_PREFIX = "/kvgate.admin.v1.Admin/"
+TOKEN_SETTINGS = "server.admin_token_file or server.admin_token_env"
+MIN_TOKEN_CHARS = 16
+# What fits an HTTP header and gRPC metadata unchanged: printable ASCII, no spaces.
+_TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")
+
+AdminCheck = Callable[[str | None], ApiError | None]
+
+
+def is_loopback_listen(listen: str) -> bool:
+    """Whether HOST:PORT listens on loopback only. Literal addresses are judged by their
+    value, `localhost` is loopback; any other host name counts as exposed (no DNS here)."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _valid_token(value: str, field: str) -> str:
+    if len(value) < MIN_TOKEN_CHARS or not _TOKEN_CHARS.match(value):
+        raise ConfigError(
+            f"{field}: the operator token must be at least {MIN_TOKEN_CHARS} printable ASCII "
+            "characters without spaces (e.g. `openssl rand -hex 32`)"
+        )
+    return value
+
+
+class _TokenFile:
+    """A token file, re-read when it changes (a rotated Kubernetes Secret swaps the file
+    behind a symlink): checked with one stat() per operator call, which are rare."""
+
+    FIELD = "server.admin_token_file"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fingerprint = self._stat()
+        self.value = _valid_token(read_secret_file(path, self.FIELD), self.FIELD)
+        self._warned: tuple[int, int, int] | None = None
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def current(self) -> str:
+        fingerprint = self._stat()
+        if fingerprint is None or fingerprint == self._fingerprint:
+            return self.value  # gone for a moment (a swap in progress): keep the last token
+        try:
+            value = _valid_token(read_secret_file(self.path, self.FIELD), self.FIELD)
+        except ConfigError as exc:
+            if self._warned != fingerprint:
+                self._warned = fingerprint
+                log.warning(
+                    "the operator token file changed but cannot be used; the previous token "
+                    "stays valid",
+                    extra={"error": str(exc)},
+                )
+            return self.value
+        self._fingerprint, self.value = fingerprint, value
+        log.info("operator token file re-read", extra={"path": self.path})
+        return value
+
+
+@dataclass(frozen=True)
+class OperatorTokens:
+    env_token: str | None = None
+    file: _TokenFile | None = None
+
+    @property
+    def configured(self) -> bool:
+        return self.env_token is not None or self.file is not None
+
+    def current(self) -> list[str]:
+        tokens = [self.env_token] if self.env_token is not None else []
+        if self.file is not None:
+            tokens.append(self.file.current())
+        return tokens
+
+
+def load_operator_tokens(server: ServerConfig) -> OperatorTokens:
+    """Read the configured tokens now; ConfigError (naming the field, never the value)."""
+    env_token = None
+    if server.admin_token_env is not None:
+        field = "server.admin_token_env"
+        env_token = _valid_token(read_secret_env(server.admin_token_env, field), field)
+    file = _TokenFile(server.admin_token_file) if server.admin_token_file is not None else None
+    return OperatorTokens(env_token=env_token, file=file)
+
+
+def _error(status: int, message: str, code: str) -> ApiError:
+    headers = {"www-authenticate": 'Bearer realm="kvgate-admin"'} if status == 401 else None
+    return ApiError(status, message, INVALID_REQUEST_ERROR, code, None, headers)
+
+
+class OperatorAuth:
+    """The operator tokens of the running config (replaced on reload) and the listeners'
+    exposure, as one check per surface."""
+
+    def __init__(self, tokens: OperatorTokens) -> None:
+        self._tokens = tokens
+
+    @property
+    def configured(self) -> bool:
+        return self._tokens.configured
+
+    def replace(self, tokens: OperatorTokens) -> None:
+        self._tokens = tokens
+
+    def check(
+        self, authorization: str | None, *, listen: str, listen_field: str
+    ) -> ApiError | None:
+        """None when the call may proceed, else the answer (401 or 403)."""
+        tokens = self._tokens.current()
+        if tokens:
+            scheme, _, given = (authorization or "").strip().partition(" ")
+            given = given.strip()
+            if scheme.lower() != "bearer" or not given:
+                return _error(
+                    401,
+                    "This is an operator endpoint: send `Authorization: Bearer <operator "
+                    f"token>` (the token of {TOKEN_SETTINGS}).",
+                    "operator_token_required",
+                )
+            given_bytes = given.encode("utf-8", "surrogateescape")
+            matched = False
+            for token in tokens:  # compare with every token: no early exit
+                matched |= hmac.compare_digest(given_bytes, token.encode("ascii"))
+            if not matched:
+                return _error(401, "The operator token is not valid.", "invalid_operator_token")
+            return None
+        if is_loopback_listen(listen):
+            return None
+        return _error(
+            403,
+            f"Operator endpoints are refused on {listen} ({listen_field}): it is not a loopback "
+            f"address and no operator token is configured. Set {TOKEN_SETTINGS}, or listen on "
+            "127.0.0.1.",
+            "operator_endpoint_not_exposed",
+        )
+
+    def for_listener(self, listen: str, listen_field: str) -> AdminCheck:
+        def check(authorization: str | None) -> ApiError | None:
+            return self.check(authorization, listen=listen, listen_field=listen_field)
+
+        return check
+
+    def exposure_warnings(self, listeners: dict[str, str]) -> list[str]:
+        """One line per operator listener that refuses every call (for the start-up log)."""
+        if self.configured:
+            return []
+        return [
+            f"{field} is {listen}, not a loopback address, and no operator token is "
+            f"configured: its operator endpoints answer 403 / PERMISSION_DENIED. Set "
+            f"{TOKEN_SETTINGS} to use them there."
+            for field, listen in listeners.items()
+            if not is_loopback_listen(listen)
+        ]
+
+
+def _metadata_value(metadata: Any, key: str) -> str | None:
+    for item in metadata or ():
+        name, value = item[0], item[1]
+        if name == key:
+            return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+    return None
+
+
+class OperatorAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks `authorization` metadata on every kvgate.admin.v1.Admin call; other services
+    on the admin port (server reflection) pass untouched."""
+
+    def __init__(self, check: AdminCheck) -> None:
+        self._check = check
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if not method.startswith(ADMIN_METHOD_PREFIX):
+            return await continuation(handler_call_details)
+        authorization = _metadata_value(handler_call_details.invocation_metadata, "authorization")
+        denial = self._check(authorization)
+        if denial is None:
+            return await continuation(handler_call_details)
+        code = (
+            grpc.StatusCode.UNAUTHENTICATED
+            if denial.status == 401
+            else grpc.StatusCode.PERMISSION_DENIED
+        )
+        log.info(
+            "operator call refused",
+            extra={"method": method, "status": code.name, "reason": denial.code},
+        )
+        handler = await continuation(handler_call_details)
+        return _refusing_handler(handler, code, denial.message)
+
+
+def _refusing_handler(
+    handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+        yield  # pragma: no cover - an async generator that never yields
+
+    deserializer = handler.request_deserializer if handler else None
+    serializer = handler.response_serializer if handler else None
+    request_streaming = bool(handler and handler.request_streaming)
+    response_streaming = bool(handler and handler.response_streaming)
+    if not request_streaming and not response_streaming:
+        return grpc.unary_unary_rpc_method_handler(unary, deserializer, serializer)
+    if not request_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, deserializer, serializer)
+    if not response_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, deserializer, serializer)
+    return grpc.stream_stream_rpc_method_handler(streaming, deserializer, serializer)
