@@ -34,6 +34,10 @@ class Answer(enum.StrEnum):
     # kvgate could not decide within server.decision_timeout_s (before Envoy's deadline).
     DECISION_TIMEOUT = "decision_timeout"
     INTERNAL_ERROR = "internal_error"
+    # Envoy's per-route settings (route_settings.py): unusable, or not for this request.
+    ROUTE_MISCONFIGURED = "route_misconfigured"
+    TENANT_NOT_ALLOWED_ON_ROUTE = "tenant_not_allowed_on_route"
+    MODEL_NOT_ALLOWED_ON_ROUTE = "model_not_allowed_on_route"
 
 
 def api_error(rejection: Rejection) -> ApiError:

@@ -10,6 +10,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvgate.extproc.route_settings import RouteSettings, RouteSettingsError, parse_route_settings
 from kvgate.extproc.services import GatewayServices
 from kvgate.extproc.session import StreamSession
 
@@ -25,7 +26,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        session = StreamSession(self._services)
+        session = StreamSession(self._services, route=_route_settings(context))
         try:
             async for message in request_iterator:
                 reply = await session.handle(message)
@@ -37,3 +38,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             # Either the iterator ended or the stream was cancelled: both are "stream over".
             session.close(shutting_down=self._services.shutting_down)
+
+
+def _route_settings(context: grpc.aio.ServicerContext) -> RouteSettings | RouteSettingsError:
+    """The per-route settings Envoy sent as the stream's gRPC metadata (or why they are bad:
+    the session answers that on the request's first message)."""
+    try:
+        return parse_route_settings(context.invocation_metadata() or ())
+    except RouteSettingsError as error:
+        return error

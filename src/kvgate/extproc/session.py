@@ -29,6 +29,7 @@ from kvgate.config import hash_api_key
 from kvgate.extproc import messages
 from kvgate.extproc.handoff import METADATA_KEY
 from kvgate.extproc.outcomes import Answer, answer_headers, api_error
+from kvgate.extproc.route_settings import NO_ROUTE_SETTINGS, RouteSettings, RouteSettingsError
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Rejected, Rejection, ResponseMeter, ResponseReading, Ticket
 from kvgate.lifecycle.usage_report import tenant_usage_report
@@ -93,6 +94,14 @@ def _api_key(headers: dict[str, str]) -> str | None:
     return key or None
 
 
+class _RouteRefusal(Exception):
+    """The request names something its route does not allow (answered, not admitted)."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 def _small_json_answer(content_type: str, content_length: str) -> bool:
     """A whole (non-streamed) answer whose declared size fits one buffered message."""
     if not content_type.startswith("application/json") or not (
@@ -110,8 +119,15 @@ def _admission_id(request_id: str) -> str:
 
 
 class StreamSession:
-    def __init__(self, services: GatewayServices) -> None:
+    def __init__(
+        self,
+        services: GatewayServices,
+        *,
+        route: RouteSettings | RouteSettingsError = NO_ROUTE_SETTINGS,
+    ) -> None:
         self._svc = services
+        # What Envoy's route said for this request (gRPC metadata), or why it is unusable.
+        self._route = route
         self._snapshot = services.snapshots.current
         self.phase = Phase.REQUEST_HEADERS
         self.request_id = ""
@@ -202,6 +218,13 @@ class StreamSession:
         method = headers.get(":method", "").upper()
         # Clients must not be able to forge the headers Envoy routes and logs on.
         forged = [name for name in headers if name.startswith(HEADER_PREFIX)]
+        route = self._route
+        if isinstance(route, RouteSettingsError):
+            # Fail closed: settings kvgate cannot read must not be silently ignored.
+            log.error("unusable per-route settings from Envoy: %s", route)
+            return self._reject(
+                api_errors.route_misconfigured(route.key), Answer.ROUTE_MISCONFIGURED
+            )
 
         key = _api_key(headers)
         if key is None:
@@ -211,6 +234,10 @@ class StreamSession:
             return self._reject(api_errors.invalid_api_key(), Answer.INVALID_API_KEY)
         self.tenant = tenant
         self._tenant_policy = self._snapshot.tenants[tenant]
+        if not route.allows_tenant(tenant):
+            return self._reject(
+                api_errors.tenant_not_allowed_on_route(), Answer.TENANT_NOT_ALLOWED_ON_ROUTE
+            )
 
         if self._path == USAGE_PATH:
             return await self._usage_report(method, tenant)
@@ -286,6 +313,8 @@ class StreamSession:
         try:
             async with asyncio.timeout(deadline):
                 reply = await self._admit(http.body)
+        except _RouteRefusal as refusal:
+            reply = self._reject(refusal.error, Answer.MODEL_NOT_ALLOWED_ON_ROUTE)
         except ApiError as error:
             reply = self._reject(error, Answer.INVALID_REQUEST)
         except Rejected as rejected:
@@ -309,6 +338,11 @@ class StreamSession:
         assert self._tenant_policy is not None
         request = await self._parse(body, self._tenant_policy.name)
         self._request = request
+        route = self._route
+        if isinstance(route, RouteSettings) and not route.allows_model(request.model):
+            # OpenAI's answer for a model a key may not use: it "does not exist or you do not
+            # have access to it".
+            raise _RouteRefusal(api_errors.model_not_found(request.model))
         ticket = await self._svc.admission(self._snapshot).admit(
             request, self._tenant_policy, self.request_id, _admission_id(self.request_id)
         )
@@ -500,6 +534,8 @@ class StreamSession:
         meta: dict[str, Any] = {"decision": decision}
         if self.tenant:
             meta["tenant"] = self.tenant
+        if isinstance(self._route, RouteSettings) and self._route.name:
+            meta["route"] = self._route.name
         if self._request is not None:
             meta["model"] = self._request.model
         ticket = self.ticket

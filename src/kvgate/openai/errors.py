@@ -267,6 +267,29 @@ def service_unavailable(
     )
 
 
+def route_misconfigured(key: str) -> ApiError:
+    """500: the gateway's route configuration gives kvgate a setting it cannot use."""
+    return ApiError(
+        500,
+        f"The gateway's route settings for kvgate are invalid ({clip(key)}); "
+        "the request was not forwarded. Operators: see kvgate's log.",
+        "server_error",
+        "route_misconfigured",
+        None,
+    )
+
+
+def tenant_not_allowed_on_route() -> ApiError:
+    """403: a valid key, on a route whose settings do not admit its tenant."""
+    return ApiError(
+        403,
+        "Your API key may not be used on this route.",
+        INVALID_REQUEST_ERROR,
+        "tenant_not_allowed_on_route",
+        None,
+    )
+
+
 def internal_error(message: str = "kvgate could not process this request.") -> ApiError:
     """500: a fault in kvgate or its deployment, not in the request."""
     return ApiError(500, message, "server_error", "internal_error", None)

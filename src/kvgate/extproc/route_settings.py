@@ -1,0 +1,99 @@
+"""Per-route kvgate settings, said by Envoy's route configuration.
+
+A route (or virtual host) configures them in its ext_proc per-route override, as gRPC
+initial metadata of the stream Envoy opens to kvgate:
+
+    typed_per_filter_config:
+      envoy.filters.http.ext_proc:
+        "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute
+        overrides:
+          grpc_initial_metadata:
+            - { key: x-kvgate-route, value: team-a }
+            - { key: x-kvgate-route-models, value: "qwen2.5-demo, small-model" }
+            - { key: x-kvgate-route-tenants, value: team-a }
+
+Envoy merges the override of the route a request first matches (before kvgate's decision
+re-routes it), so the settings belong on the routes that match requests on their way in.
+Only the operator's Envoy configuration can set them: a client cannot reach the gRPC
+metadata. Anything kvgate cannot read is a configuration error, answered 500
+``route_misconfigured`` naming the key (fail closed), never ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PREFIX = "x-kvgate-route"
+NAME_KEY = PREFIX
+MODELS_KEY = f"{PREFIX}-models"
+TENANTS_KEY = f"{PREFIX}-tenants"
+KNOWN_KEYS = frozenset({NAME_KEY, MODELS_KEY, TENANTS_KEY})
+# The same shape as names in kvgate's config (models, tenants).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+_MAX_LIST = 256
+
+
+class RouteSettingsError(ValueError):
+    """Envoy sent route settings kvgate cannot use: a deployment error."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"route setting {key!r}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    """What a route allows; None = no restriction from the route."""
+
+    name: str = ""
+    models: frozenset[str] | None = None
+    tenants: frozenset[str] | None = None
+
+    def allows_model(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def allows_tenant(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
+
+NO_ROUTE_SETTINGS = RouteSettings()
+
+
+def parse_route_settings(metadata: Iterable[tuple[str, str | bytes]]) -> RouteSettings:
+    """The settings among a stream's gRPC metadata (other keys, e.g. gRPC's own, are not
+    kvgate's business). Raises ``RouteSettingsError`` for an unknown ``x-kvgate-route-*``
+    key, a repeated key, or a value that is not a name or a list of names."""
+    seen: dict[str, str] = {}
+    for raw_key, raw_value in metadata:
+        key = raw_key.lower()
+        if not key.startswith(PREFIX):
+            continue
+        if key not in KNOWN_KEYS:
+            known = ", ".join(sorted(KNOWN_KEYS))
+            raise RouteSettingsError(key, f"unknown setting (known: {known})")
+        if key in seen:
+            raise RouteSettingsError(key, "given more than once")
+        value = raw_value.decode("utf-8", "replace") if isinstance(raw_value, bytes) else raw_value
+        seen[key] = value
+    name = seen.get(NAME_KEY, "").strip()
+    if NAME_KEY in seen and not _NAME.match(name):
+        raise RouteSettingsError(NAME_KEY, "must be a name of letters, digits and . _ : / -")
+    return RouteSettings(
+        name=name,
+        models=_names(MODELS_KEY, seen.get(MODELS_KEY)),
+        tenants=_names(TENANTS_KEY, seen.get(TENANTS_KEY)),
+    )
+
+
+def _names(key: str, value: str | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    names = [part.strip() for part in value.split(",")]
+    if not names or any(not _NAME.match(name) for name in names):
+        raise RouteSettingsError(key, "must be a comma-separated list of names")
+    if len(names) > _MAX_LIST:
+        raise RouteSettingsError(key, f"lists at most {_MAX_LIST} names")
+    return frozenset(names)

@@ -1,0 +1,151 @@
+"""Per-route settings travel from Envoy's route configuration to kvgate's decision.
+
+envoy/envoy.yaml with two more virtual hosts whose pre-admission route carries an ext_proc
+per-route override (gRPC initial metadata): `restricted.local` admits only tenant team-a and
+model qwen2.5-demo; `broken.local` says something kvgate cannot read. The real Envoy binary
+validates the config and sends the metadata; nothing else is stubbed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from testbed.demo_model import demo_model_dir
+from testbed.harness import ENVOY_CONFIG, Stack, sim_stats, validate_envoy_config
+
+MODEL = "qwen2.5-demo"
+OTHER_MODEL = "other-demo"
+TEAM_A_KEY = "sk-team-a"
+TEAM_B_KEY = "sk-team-b"
+PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+
+
+def with_route_settings(host: str, settings: dict[str, str], vhost: dict[str, Any]) -> dict:
+    """A copy of the catch-all virtual host for `host` whose routes carry `settings`."""
+    copied = copy.deepcopy(vhost)
+    copied["name"] = host
+    copied["domains"] = [host, f"{host}:*"]
+    override = {
+        "@type": PER_ROUTE,
+        "overrides": {
+            "grpc_initial_metadata": [{"key": k, "value": v} for k, v in settings.items()]
+        },
+    }
+    for route in copied["routes"]:
+        route.setdefault("typed_per_filter_config", {})["envoy.filters.http.ext_proc"] = override
+    return copied
+
+
+def envoy_config_with_route_settings() -> dict[str, Any]:
+    config = yaml.safe_load(ENVOY_CONFIG.read_text(encoding="utf-8"))
+    [listener] = config["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    vhosts = hcm["route_config"]["virtual_hosts"]
+    catch_all = vhosts[-1]
+    restricted = {
+        "x-kvgate-route": "restricted",
+        "x-kvgate-route-models": MODEL,
+        "x-kvgate-route-tenants": "team-a",
+    }
+    vhosts.insert(0, with_route_settings("restricted.local", restricted, catch_all))
+    broken = {"x-kvgate-route-model": MODEL}  # a typo of x-kvgate-route-models
+    vhosts.insert(0, with_route_settings("broken.local", broken, catch_all))
+    return config
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    src = tmp_path_factory.mktemp("route-settings") / "envoy.yaml"
+    src.write_text(yaml.safe_dump(envoy_config_with_route_settings(), sort_keys=False), "utf-8")
+    model = {
+        "tokenizer": str(demo_model_dir()),
+        "max_context": 32768,
+        "default_max_new_tokens": 64,
+        "backend": "vllm-local",
+    }
+    with Stack(
+        tenants=[
+            {"name": "team-a", "api_key": TEAM_A_KEY},
+            {"name": "team-b", "api_key": TEAM_B_KEY},
+        ],
+        models=[{"name": MODEL, **model}, {"name": OTHER_MODEL, **model}],
+        envoy_config=src,
+    ) as running:
+        yield running
+
+
+def test_the_config_validates(tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(envoy_config_with_route_settings(), sort_keys=False), "utf-8")
+    result = validate_envoy_config(path)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def post(stack: Stack, host: str, key: str, model: str = MODEL) -> httpx.Response:
+    return httpx.post(
+        stack.base_url + "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+        headers={"authorization": f"Bearer {key}", "host": host},
+        timeout=30,
+    )
+
+
+def rejections(stack: Stack, reason: str) -> float:
+    text = httpx.get(stack.kvgate_metrics_url, timeout=5).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvgate_requests_total"
+        and sample.labels == {"outcome": "rejected", "reason": reason}
+    )
+
+
+def served_count(stack: Stack) -> int:
+    return len(sim_stats(stack)["served"])
+
+
+def test_a_restricted_route_admits_its_tenant_and_model(stack: Stack) -> None:
+    resp = post(stack, "restricted.local", TEAM_A_KEY)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] > 0
+
+
+def test_a_restricted_route_refuses_other_tenants_and_models(stack: Stack) -> None:
+    served = served_count(stack)
+    other_tenant = post(stack, "restricted.local", TEAM_B_KEY)
+    assert other_tenant.status_code == 403, other_tenant.text
+    assert other_tenant.json()["error"]["code"] == "tenant_not_allowed_on_route"
+    other_model = post(stack, "restricted.local", TEAM_A_KEY, OTHER_MODEL)
+    assert other_model.status_code == 404, other_model.text
+    assert other_model.json()["error"]["code"] == "model_not_found"
+    assert rejections(stack, "model_not_allowed_on_route") >= 1
+    assert served_count(stack) == served  # neither reached the backend
+
+
+def test_the_default_route_is_not_restricted(stack: Stack) -> None:
+    """The same tenant and model on the default host: the route, not kvgate's own
+    configuration, made the difference above."""
+    resp = post(stack, "localhost", TEAM_B_KEY)
+    assert resp.status_code == 200, resp.text
+    before = rejections(stack, "model_not_allowed_on_route")
+    post(stack, "localhost", TEAM_A_KEY, OTHER_MODEL)  # admitted; the simulator serves one name
+    assert rejections(stack, "model_not_allowed_on_route") == before
+
+
+def test_unreadable_settings_fail_closed(stack: Stack) -> None:
+    served = served_count(stack)
+    resp = post(stack, "broken.local", TEAM_A_KEY)
+    assert resp.status_code == 500, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "route_misconfigured"
+    assert "x-kvgate-route-model" in error["message"]
+    assert served_count(stack) == served
