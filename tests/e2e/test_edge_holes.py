@@ -316,19 +316,30 @@ def test_guard_forwards_nothing_kvgate_did_not_decide(
             ("GET", "/v1/models", {**auth, **forged}, None),
             ("GET", f"/v1/models/{MODEL}", {**auth, **forged}, None),
             ("POST", "/v1/embeddings", auth, {"model": MODEL, "input": "x"}),
-            ("GET", "/metrics", {}, None),
+            ("POST", "/metrics", auth, {"model": MODEL}),
         ]
+        # The Istio sidecar sends vLLM's own GET /metrics, /health, ... past kvgate (ext_proc
+        # disabled on that route: Prometheus and capacity discovery scrape them); every
+        # other config guards them like any path.
+        probes_bypass = "envoyfilter-sidecar" in name
+        if not probes_bypass:
+            cases.append(("GET", "/metrics", {}, None))
         with httpx.Client(base_url=base, timeout=HTTP_TIMEOUT) as client:
             for method, target, headers, body in cases:
                 resp = client.request(method, target, headers=headers, json=body)
                 assert_not_admitted(
                     resp.status_code, resp.headers.get("content-type", ""), resp.content
                 )
+            if probes_bypass:
+                assert client.get("/metrics").status_code == 200
         trailers = chat_with_trailers(listen, DEMO_API_KEY)
         assert_not_admitted(
             trailers.status, trailers.headers.get("content-type", ""), trailers.body
         )
-        assert _upstream_requests(admin, backends) == 0, "a request reached a model server"
+        expected_upstream = 1 if probes_bypass else 0  # the one GET /metrics
+        assert _upstream_requests(admin, backends) == expected_upstream, (
+            "a request reached a model server"
+        )
     assert sim_stats_at(sim_port)["requests_total"] == sim_before
 
 
