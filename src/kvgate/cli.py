@@ -1,4 +1,4 @@
-"""`kvgate` command line: serve, check-config, hash-key."""
+"""`kvgate` command line: serve, check-config, hash-key, drain, wait-drained, ..."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from kvgate.admin.client import add_admin_commands
 from kvgate.capacity.cli import add_kv_budget_command
 from kvgate.config import ConfigError, hash_api_key, load_config
+from kvgate.drain import add_drain_commands
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kv_budget_command(sub)
     add_admin_commands(sub)
+    add_drain_commands(sub)
     return parser
 
 
