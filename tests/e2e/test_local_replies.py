@@ -224,6 +224,7 @@ def test_extproc_message_timeout_is_504_json(stack: Stack, client: httpx.Client)
     finally:
         _signal_kvgate(stack, signal.SIGCONT)
     assert_openai_error(resp, statuses={504}, code="gateway_timeout")
+    assert resp.headers.get("retry-after") == "1"  # waiting helps: say so
     assert details_of(stack, resp) == "ext_proc_error_per-message_timeout_exceeded"
     stack.wait_extproc_healthy(timeout=30)
 
@@ -235,11 +236,13 @@ def test_kvgate_down_is_503_json(stack: Stack) -> None:
         with httpx.Client(base_url=stack.base_url, timeout=TIMEOUT) as client:
             refused = client.post(CHAT, headers=stack.auth_headers(), json=CHAT_BODY)
             assert_openai_error(refused, statuses={503}, code="upstream_unavailable")
+            assert refused.headers.get("retry-after") == "1"
             assert details_of(stack, refused).startswith("ext_proc_error_gRPC_error_14")
             flags = wait_until(stack.extproc_health_flags, lambda f: f != "healthy", timeout=20)
             assert flags != "healthy", "Envoy never marked kvgate unhealthy"
             unhealthy = client.post(CHAT, headers=stack.auth_headers(), json=CHAT_BODY)
             assert_openai_error(unhealthy, statuses={503}, code="upstream_unavailable")
+            assert unhealthy.headers.get("retry-after") == "1"
     finally:
         stack.start_kvgate()
 
