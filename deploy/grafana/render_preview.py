@@ -2,7 +2,8 @@
 
 Starts the local stack (vLLM simulator + kvgate + the real Envoy, testbed/harness.py),
 drives a scripted mixed load for about 30 s (two tenants, a KV-budget squeeze, a tenant over
-its TPM limit, bad keys, client disconnects), scrapes kvgate's /metrics every second and
+its TPM limit, bad keys, client disconnects), scrapes kvgate's /metrics and Envoy's
+/stats/prometheus every second and
 plots the series of the dashboard's panels (deploy/grafana/kvgate-dashboard.json) the way
 Grafana computes them: rates over a sliding window, histogram quantiles with Prometheus'
 interpolation.
@@ -241,10 +242,12 @@ class Scrape:
 
 
 class Scraper:
-    """GET /metrics every `interval` s in a thread until stopped."""
+    """GET /metrics (and `extra` pages: Envoy's stats) every `interval` s in a thread until
+    stopped; one scrape holds the samples of every page."""
 
-    def __init__(self, url: str, interval: float = 1.0) -> None:
+    def __init__(self, url: str, interval: float = 1.0, extra: Iterable[str] = ()) -> None:
         self.url = url
+        self.extra = tuple(extra)
         self.interval = interval
         self.scrapes: list[Scrape] = []
         self._stop = threading.Event()
@@ -255,12 +258,14 @@ class Scraper:
         while not self._stop.is_set():
             tick = time.monotonic()
             try:
-                with urllib.request.urlopen(self.url, timeout=5) as resp:
-                    text = resp.read().decode()
+                texts = []
+                for url in (self.url, *self.extra):
+                    with urllib.request.urlopen(url, timeout=5) as resp:
+                        texts.append(resp.read().decode())
             except OSError as exc:  # a missed scrape is a gap, as in Prometheus
                 print(f"scrape failed: {exc!r}", file=sys.stderr)
             else:
-                self.scrapes.append(Scrape(tick - self._t0, MetricSamples(text)))
+                self.scrapes.append(Scrape(tick - self._t0, MetricSamples("\n".join(texts))))
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - tick)))
 
     def __enter__(self) -> Scraper:
@@ -493,6 +498,71 @@ def p_in_flight(ax: Any, s: list[Scrape]) -> None:
     ax.set_ylabel("requests")
 
 
+def p_utilization(ax: Any, s: list[Scrape]) -> None:
+    # max by (backend) (in flight / budget): one kvgate here, so the max is its own ratio.
+    in_flight = instant(s, "kvgate_kv_tokens_in_flight", ["backend"])
+    budget = instant(s, "kvgate_kv_budget_tokens", ["backend"])
+    for key, (times, values) in sorted(in_flight.items()):
+        limits = budget.get(key, ([], []))[1]
+        ratio = [v / b if b else math.nan for v, b in zip(values, limits, strict=False)]
+        ax.plot(times[: len(ratio)], ratio, label=key[0], linewidth=1.4)
+    ax.axhline(0.9, color="red", linestyle="--", linewidth=1.0, label="alert (90%)")
+    ax.set_ylim(0, 1.05)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+
+
+def p_extproc(ax: Any, s: list[Scrape]) -> None:
+    # Envoy's counters have no _total in its page; the Python parser adds it (Prometheus does
+    # not). Drawn even when flat: zero failures is the news here.
+    for name, label in (
+        ("envoy_http_ext_proc_streams_failed_total", "streams failed (503)"),
+        ("envoy_http_ext_proc_message_timeouts_total", "message timeouts"),
+        ("envoy_http_ext_proc_rejected_header_mutations_total", "header mutations rejected"),
+    ):
+        for times, values in rate(s, name, []).values():
+            ax.plot(times, values, label=label, linewidth=1.4)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("/s")
+
+
+def p_store_up(ax: Any, s: list[Scrape]) -> None:
+    for label, how in (("store up", sum), ("replicas", len)):
+        times = [scrape.t for scrape in s]
+        values = [
+            float(how(list(grouped(scrape.samples, "kvgate_store_up", ["pod"]).values())))
+            for scrape in s
+        ]
+        ax.plot(times, values, label=label, linewidth=1.4, linestyle="--" if how is len else "-")
+    ax.set_ylim(0, 2)
+
+
+def p_store_errors(ax: Any, s: list[Scrape]) -> None:
+    _lines(ax, rate(s, "kvgate_store_errors_total", ["op"]), lambda k: f"errors: {k[0]}")
+    _lines(
+        ax,
+        rate(s, "kvgate_store_fallback_decisions_total", ["outcome"]),
+        lambda k: f"fallback: {k[0]}",
+    )
+    refused = rate(s, "kvgate_requests_total", [], outcome="rejected", reason="store_unavailable")
+    _lines(ax, refused, lambda k: "refused: store_unavailable")
+    _lines(ax, rate(s, "kvgate_store_dropped_settlements_total", []), lambda k: "dropped")
+    if not ax.get_lines():
+        ax.text(0.5, 0.5, "none (memory store)", ha="center", transform=ax.transAxes)
+    ax.set_ylabel("/s")
+
+
+def p_store_pending(ax: Any, s: list[Scrape]) -> None:
+    for key, (times, values) in instant(s, "kvgate_store_pending_settlements", ["pod"]).items():
+        ax.plot(times, values, label=f"waiting {key[0] or 'kvgate'}", linewidth=1.4)
+    _lines(
+        ax,
+        rate(s, "kvgate_store_reconciled_settlements_total", ["kind"]),
+        lambda k: f"delivered late: {k[0]}",
+    )
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("settlements")
+
+
 def _stat(ax: Any, value: float, good: bool) -> None:
     ax.axis("off")
     ax.text(
@@ -546,6 +616,11 @@ PANELS: dict[str, PanelFn] = {
     "Expired leases": p_leases,
     "Internal errors": p_internal,
     "Config reloads": p_reloads,
+    "KV utilization per backend (worst replica)": p_utilization,
+    "Envoy ext_proc: failed streams and message timeouts": p_extproc,
+    "State store: replicas reaching it": p_store_up,
+    "State store: errors, fallback decisions, refusals": p_store_errors,
+    "State store: settlements waiting, per replica": p_store_pending,
 }
 
 
@@ -601,10 +676,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 
-    with make_stack() as stack, Scraper(stack.kvgate_metrics_url) as scraper:
-        time.sleep(2)  # a flat start
-        stats = asyncio.run(drive_load(stack.base_url, args.seconds))
-        time.sleep(4)  # settle and a flat end
+    with make_stack() as stack:
+        envoy_stats = f"{stack.envoy_admin_url}/stats/prometheus"
+        with Scraper(stack.kvgate_metrics_url, extra=[envoy_stats]) as scraper:
+            time.sleep(2)  # a flat start
+            stats = asyncio.run(drive_load(stack.base_url, args.seconds))
+            time.sleep(4)  # settle and a flat end
     scrapes = scraper.scrapes
     statuses = ", ".join(f"{code}: {n}" for code, n in sorted(stats.statuses.items()))
     print(f"{len(scrapes)} scrapes; responses {statuses}; disconnects {stats.disconnects}")

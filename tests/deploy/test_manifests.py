@@ -11,7 +11,9 @@
 - Istio EnvoyFilters and the Envoy Gateway policy: ext_proc before the router, fail closed,
   message timeout >= 1 s, request body BUFFERED, response body STREAMED, the same options as
   envoy/envoy.yaml; the Istio patches validate when applied to envoy/envoy.yaml.
-- PrometheusRule and Grafana expressions use only metrics (and labels) kvgate defines.
+- PrometheusRule and Grafana expressions use only metrics (and labels) kvgate defines, besides
+  Prometheus' `up` and Envoy's `envoy_*` (those are checked against a running Envoy in
+  tests/deploy/test_alerts.py).
 - The Dockerfile, linted structurally (no docker engine here).
 """
 
@@ -86,7 +88,12 @@ def yaml_files() -> list[Path]:
 
 
 def k8s_files() -> list[Path]:
-    return [p for p in yaml_files() if p.relative_to(DEPLOY).parts[0] in K8S_DIRS]
+    # deploy/prometheus/tests/ holds promtool's rule unit tests, not Kubernetes objects.
+    return [
+        p
+        for p in yaml_files()
+        if p.relative_to(DEPLOY).parts[0] in K8S_DIRS and "tests" not in p.relative_to(DEPLOY).parts
+    ]
 
 
 @cache
@@ -1196,6 +1203,13 @@ def kvgate_metrics() -> dict[str, tuple[str, ...] | None]:
 
 # Labels Prometheus adds from the scrape target (ServiceMonitor / pod discovery).
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "endpoint", "container"}
+
+
+def external_series(name: str) -> bool:
+    """Prometheus' own `up`, or Envoy's stats: tests/deploy/test_alerts.py checks those."""
+    return name == "up" or name.startswith("envoy_")
+
+
 PROMQL_FUNCTIONS = {
     "rate",
     "irate",
@@ -1305,6 +1319,10 @@ def recording_rules() -> dict[str, str]:
 def labels_of(name: str) -> set[str] | None:
     """Label names a series can carry (None: unknown, don't check)."""
     known = kvgate_metrics()
+    if name == "up":
+        return set(TARGET_LABELS)
+    if external_series(name):
+        return None
     if name in known:
         labels = known[name]
         return None if labels is None else set(labels) | TARGET_LABELS
@@ -1323,7 +1341,7 @@ def check_expr(expr: str, where: str) -> set[str]:
     names, selectors, grouping = promql_names(expr)
     assert names, f"{where}: no series in {expr!r}"
     for name in names:
-        assert name in kvgate_metrics() or name in recording_rules(), (
+        assert name in kvgate_metrics() or name in recording_rules() or external_series(name), (
             f"{where}: {name} is not a metric kvgate defines ({expr!r})"
         )
     available: set[str] = set()
