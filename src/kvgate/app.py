@@ -7,7 +7,7 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
@@ -40,6 +40,10 @@ from kvgate.store import (
     StateStore,
 )
 from kvgate.tokenize import PromptCounter, TokenizerService, resolve_tokenizer_dir
+from kvgate.tracing import build_tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("kvgate")
 
@@ -72,7 +76,13 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
 
 
 class KvgateServer:
-    def __init__(self, config: KvgateConfig, config_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: KvgateConfig,
+        config_path: Path | None = None,
+        *,
+        span_exporter: SpanExporter | None = None,
+    ) -> None:
         self.config = config
         self.config_path = config_path
         self.metrics = Metrics()
@@ -82,6 +92,9 @@ class KvgateServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         # Secrets first: a missing token or password stops the start with the field's name.
         self.operator_auth = OperatorAuth(load_operator_tokens(config.server))
+        # None when tracing is off; enabled without the `otel` extra: ConfigError naming it.
+        # span_exporter replaces the OTLP exporter (tests).
+        self.tracing = build_tracing(config.tracing, exporter=span_exporter)
         self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
@@ -108,6 +121,7 @@ class KvgateServer:
                 metrics=self.metrics,
                 leases=leases,
                 track=tasks.track,
+                tracing=self.tracing,
             ),
         )
         self._grpc: grpc.aio.Server | None = None
@@ -351,6 +365,9 @@ class KvgateServer:
         await self.capacity.close()
         await self.store.close()
         self.tokenizers.close()
+        if self.tracing is not None:
+            # The settlements' spans are recorded by now (drained above): export them.
+            await asyncio.to_thread(self.tracing.shutdown)
         log.info("kvgate stopped")
 
 

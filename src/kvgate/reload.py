@@ -69,6 +69,12 @@ FIELD_CLASSES: dict[str, str] = {
     "redis.password_file": RESTART,
     "redis.sentinel.password_env": RESTART,
     "redis.sentinel.password_file": RESTART,
+    # The tracer provider and its exporter are built once at start (kvgate.tracing).
+    "tracing.enabled": RESTART,
+    "tracing.otlp_endpoint": RESTART,
+    "tracing.service_name": RESTART,
+    "tracing.sample_ratio": RESTART,
+    "tracing.tenant_attribute": RESTART,
     # Tenants, models and backends are compiled into the snapshot; rate buckets resize to
     # new specs, backend ledgers take new limits for new work.
     "tenants.*.name": RELOAD,

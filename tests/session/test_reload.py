@@ -187,6 +187,11 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
         "redis.sentinel.password": None,
         "redis.sentinel.password_file": "/run/secrets/sentinel/password",
     },
+    "tracing.enabled": {"tracing.enabled": True},
+    "tracing.otlp_endpoint": {"tracing.otlp_endpoint": "http://127.0.0.1:4317"},
+    "tracing.service_name": {"tracing.service_name": "gateway-b"},
+    "tracing.sample_ratio": {"tracing.sample_ratio": 0.5},
+    "tracing.tenant_attribute": {"tracing.tenant_attribute": True},
 }
 
 

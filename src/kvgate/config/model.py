@@ -364,6 +364,24 @@ class RedisConfig(_Strict):
         return self
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry spans of each decision and settlement (kvgate.tracing); needs the
+    `otel` extra (`pip install 'kvgate[otel]'`). Read once at start."""
+
+    enabled: bool = False
+    # The OTLP/gRPC collector, e.g. http://otel-collector:4317 (https:// for TLS). None: the
+    # standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT environment,
+    # else http://localhost:4317.
+    otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    service_name: str = Field(default="kvgate", min_length=1, max_length=256)
+    # The fraction of traces kvgate starts itself (no traceparent from Envoy) that is kept; a
+    # parent's sampling decision is always followed.
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    # Put the tenant's name on the spans (`kvgate.tenant`): off, as a tracing backend is often
+    # shared more widely than kvgate's metrics.
+    tenant_attribute: bool = False
+
+
 class KvgateConfig(_Strict):
     server: ServerConfig = ServerConfig()
     # "memory" (one process) or a Redis URL (redis://[[user]:password@]host:port/db or
@@ -373,6 +391,7 @@ class KvgateConfig(_Strict):
     tenants: list[TenantConfig]
     models: list[ModelConfig]
     backends: list[BackendConfig]
+    tracing: TracingConfig = TracingConfig()
 
     @field_validator("store")
     @classmethod

@@ -20,7 +20,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -38,6 +38,9 @@ from kvgate.openai import errors as api_errors
 from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy, pico_to_usd
 from kvgate.store import StoreUnavailable
 from kvgate.tokenize import TokenizerBusy
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 log = logging.getLogger("kvgate.session")
 
@@ -142,6 +145,10 @@ class StreamSession:
         # admission needs the whole body in one message (BUFFERED).
         self._answer_seen_elsewhere = False
         self._request_body_mode: int = _Mode.BUFFERED
+        # OpenTelemetry (kvgate.tracing): None when tracing is off, and then nothing else
+        # here is touched.
+        self._tracing = services.settler.tracing
+        self._trace_parent: Context | None = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -214,6 +221,8 @@ class StreamSession:
     async def _on_request_headers(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
         headers = messages.header_map_to_dict(http.headers)
         self.request_id = headers.get("x-request-id", "")
+        if self._tracing is not None:
+            self._trace_parent = self._tracing.extract(headers)
         self._path = _path_only(headers.get(":path", ""))
         method = headers.get(":method", "").upper()
         # Clients must not be able to forge the headers Envoy routes and logs on.
@@ -309,6 +318,7 @@ class StreamSession:
         # the stream). So this message is the admission point, always; nothing that follows
         # can carry more body.
         started = time.perf_counter()
+        trace_start = time.time_ns() if self._tracing is not None else 0
         deadline = self._snapshot.config.server.decision_timeout_s
         try:
             async with asyncio.timeout(deadline):
@@ -332,7 +342,26 @@ class StreamSession:
             )
         outcome = "admitted" if self.ticket is not None else "rejected"
         self._svc.metrics.decision_seconds.labels(outcome).observe(time.perf_counter() - started)
+        if self._tracing is not None:
+            self._trace_decision(trace_start, outcome, reply)
         return reply
+
+    def _trace_decision(self, start_ns: int, outcome: str, reply: pb.ProcessingResponse) -> None:
+        assert self._tracing is not None
+        details = reply.immediate_response.details if reply.HasField("immediate_response") else ""
+        try:
+            self._tracing.decision(
+                self._trace_parent,
+                start_ns,
+                request_id=self.request_id,
+                outcome=outcome,
+                reason=details.removeprefix("kvgate_") or Reason.ADMITTED.value,
+                tenant=self.tenant,
+                request=self._request,
+                ticket=self.ticket,
+            )
+        except Exception:
+            log.exception("recording the decision span failed")
 
     async def _admit(self, body: bytes) -> pb.ProcessingResponse:
         assert self._tenant_policy is not None

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvgate.config import SnapshotHolder
 from kvgate.lifecycle.billing import CutRequestCharge, ResponseReading, charged_usage
@@ -17,9 +18,14 @@ from kvgate.policy import ActualUsage, SettleCause, TenantPolicy, pico_to_usd
 from kvgate.policy.pricing import PICO_PER_USD
 from kvgate.store import StateStore
 
+if TYPE_CHECKING:
+    from kvgate.tracing import Tracing
+
 log = logging.getLogger("kvgate.settle")
 
-Track = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+# BackgroundTasks.track (the store write returns its outcome, which nothing awaits but the
+# span).
+Track = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 
 
 class Settler:
@@ -31,12 +37,16 @@ class Settler:
         metrics: Metrics,
         leases: LeaseKeeper,
         track: Track,
+        tracing: Tracing | None = None,
     ) -> None:
         self._store = store
         self._snapshots = snapshots
         self._metrics = metrics
         self._leases = leases
         self._track = track
+        # OpenTelemetry spans (kvgate.tracing); None when tracing is off. Sessions read it
+        # here too.
+        self.tracing = tracing
 
     def settle(
         self, ticket: Ticket, cause: SettleCause, reading: ResponseReading
@@ -54,11 +64,42 @@ class Settler:
         cost = ticket.pricing.cost(
             charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
         )
-        return charged, self._track(self._book(ticket, cause, charged, cost))
+        book = self._book(ticket, cause, charged, cost)
+        if self.tracing is not None:
+            traced = self._traced(book, ticket, cause, charged, cost, metered, time.time_ns())
+            return charged, self._track(traced)
+        return charged, self._track(book)
+
+    async def _traced(
+        self,
+        book: Coroutine[Any, Any, str],
+        ticket: Ticket,
+        cause: SettleCause,
+        usage: ActualUsage,
+        cost_pico: int,
+        metered: bool,
+        start_ns: int,
+    ) -> None:
+        """The store write, then its span (from settle() to the write's end)."""
+        booked = await book
+        assert self.tracing is not None
+        try:
+            self.tracing.settlement(
+                ticket,
+                cause,
+                usage,
+                cost_pico / PICO_PER_USD,
+                start_ns,
+                metered=metered,
+                booked=booked,
+            )
+        except Exception:
+            log.exception("recording the settlement span failed")
 
     async def _book(
         self, ticket: Ticket, cause: SettleCause, usage: ActualUsage, cost_pico: int
-    ) -> None:
+    ) -> str:
+        """Write the settlement; "booked", "duplicate" (already settled) or "failed"."""
         reservation = ticket.reservation
         request = reservation.request
         tenant = self._snapshots.current.tenants.get(request.tenant) or TenantPolicy(
@@ -71,9 +112,9 @@ class Settler:
         except Exception:
             # Say loudly that this one was not recorded (the lease still expires).
             log.exception("settlement failed", extra={"request_id": ticket.request_id})
-            return
+            return "failed"
         if not settlement.applied:
-            return
+            return "duplicate"
         m = self._metrics
         if settlement.lease_expired:
             m.late_settlements.labels(request.backend).inc()
@@ -100,6 +141,7 @@ class Settler:
                 "cost_usd": str(pico_to_usd(cost_pico)),
             },
         )
+        return "booked"
 
     def _observe_prompt_count(self, ticket: Ticket, backend_prompt_tokens: int) -> None:
         model = ticket.model
