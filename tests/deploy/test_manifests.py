@@ -872,6 +872,8 @@ def shipped_bootstraps() -> dict[str, dict[str, Any]]:
         for path in sorted((REPO_ROOT / "envoy").glob("*.yaml"))
     }
     found[rel(SIDECAR)] = sidecar_bootstrap()
+    split = DEPLOY / "kubernetes" / "gateway-with-sidecar-split.yaml"
+    found[rel(split)] = yaml.safe_load(one(split, "ConfigMap")["data"]["envoy.yaml"])
     return found
 
 
@@ -1636,7 +1638,8 @@ def _iter_env_values() -> Iterator[str]:
         for _, template in pod_templates(path):
             for c in template["spec"]["containers"]:
                 for env in c.get("env", []):
-                    yield f"{env['name']}={env.get('value')}"
+                    if "valueFrom" not in env:  # e.g. Envoy's CPU limit (resourceFieldRef)
+                        yield f"{env['name']}={env.get('value')}"
 
 
 def test_image_and_manifests_agree_on_paths() -> None:
