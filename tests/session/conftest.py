@@ -104,9 +104,14 @@ def header_values(mutation: pb.HeaderMutation) -> dict[str, str]:
 class ScriptedStream:
     """Plays Envoy's side of one ext_proc stream: send a message, read its reply."""
 
-    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.ExternalProcessorStub,
+        metadata: Iterable[tuple[str, str]] | None = None,
+    ) -> None:
+        """`metadata`: gRPC initial metadata, as a route's ext_proc override sends it."""
         self._outbox: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
-        self.call = stub.Process(self._requests())
+        self.call = stub.Process(self._requests(), metadata=tuple(metadata or ()))
 
     async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
         while (message := await self._outbox.get()) is not None:
@@ -130,8 +135,8 @@ class SessionRig:
         self.server = server
         self.stub = pb_grpc.ExternalProcessorStub(channel)
 
-    def stream(self) -> ScriptedStream:
-        return ScriptedStream(self.stub)
+    def stream(self, metadata: Iterable[tuple[str, str]] | None = None) -> ScriptedStream:
+        return ScriptedStream(self.stub, metadata)
 
     async def in_flight(self) -> tuple[int, int]:
         await self.server.services.drain(timeout_s=5)
@@ -160,8 +165,8 @@ class SessionRig:
         return totals.requests, totals.prompt_tokens, totals.output_tokens
 
 
-async def _rig(config: dict[str, Any]) -> AsyncIterator[SessionRig]:
-    server = KvgateServer(parse_config(config))
+async def _rig(config: dict[str, Any], **server_options: Any) -> AsyncIterator[SessionRig]:
+    server = KvgateServer(parse_config(config), **server_options)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
     try:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -18,29 +16,13 @@ CHAT = {
 }
 
 
-class MetadataStream:
-    """Envoy's side of one ext_proc stream opened with the route's gRPC metadata."""
-
-    def __init__(self, rig: SessionRig, metadata: list[tuple[str, str]]) -> None:
-        self._outbox: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
-        self.call = rig.stub.Process(self._requests(), metadata=metadata)
-
-    async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
-
-    async def exchange(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        await self._outbox.put(message)
-        return await asyncio.wait_for(self.call.read(), timeout=10)
-
-
 def error_of(reply: pb.ProcessingResponse) -> tuple[int, dict[str, Any]]:
     answer = reply.immediate_response
     return answer.status.code, json.loads(answer.body)["error"]
 
 
 async def test_a_route_limited_to_other_models_refuses_before_admission(rig: SessionRig) -> None:
-    stream = MetadataStream(rig, [("x-kvgate-route", "small"), ("x-kvgate-route-models", "tiny")])
+    stream = rig.stream([("x-kvgate-route", "small"), ("x-kvgate-route-models", "tiny")])
     reply = await stream.exchange(headers_msg())
     assert reply.WhichOneof("response") == "request_headers"
     status, error = error_of(await stream.exchange(body_msg(CHAT)))
@@ -50,9 +32,8 @@ async def test_a_route_limited_to_other_models_refuses_before_admission(rig: Ses
 
 
 async def test_a_route_allowing_the_model_admits_and_names_itself(rig: SessionRig) -> None:
-    stream = MetadataStream(
-        rig,
-        [("x-kvgate-route", "team-a"), ("x-kvgate-route-models", "qwen2.5-demo, tiny")],
+    stream = rig.stream(
+        [("x-kvgate-route", "team-a"), ("x-kvgate-route-models", "qwen2.5-demo, tiny")]
     )
     await stream.exchange(headers_msg())
     reply = await stream.exchange(body_msg(CHAT))
@@ -63,17 +44,17 @@ async def test_a_route_allowing_the_model_admits_and_names_itself(rig: SessionRi
 
 
 async def test_a_route_for_other_tenants_refuses_the_key(rig: SessionRig) -> None:
-    stream = MetadataStream(rig, [("x-kvgate-route-tenants", "someone-else")])
+    stream = rig.stream([("x-kvgate-route-tenants", "someone-else")])
     status, error = error_of(await stream.exchange(headers_msg()))
     assert (status, error["code"]) == (403, "tenant_not_allowed_on_route")
     # An invalid key still gets its 401 first: the route check needs a tenant.
-    stream = MetadataStream(rig, [("x-kvgate-route-tenants", "someone-else")])
+    stream = rig.stream([("x-kvgate-route-tenants", "someone-else")])
     status, _ = error_of(await stream.exchange(headers_msg(key="sk-wrong")))
     assert status == 401
 
 
 async def test_unusable_settings_fail_closed_naming_the_key(rig: SessionRig) -> None:
-    stream = MetadataStream(rig, [("x-kvgate-route-model", "qwen2.5-demo")])  # a typo
+    stream = rig.stream([("x-kvgate-route-model", "qwen2.5-demo")])  # a typo
     status, error = error_of(await stream.exchange(headers_msg()))
     assert (status, error["code"]) == (500, "route_misconfigured")
     assert "x-kvgate-route-model" in error["message"]

@@ -6,16 +6,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from kvgate.app import KvgateServer
-from kvgate.config import parse_config
 from kvgate.tracing import Tracing
 from tests.session.conftest import (
     SessionRig,
+    _rig,
     body_msg,
     headers_msg,
     make_config,
@@ -33,14 +31,8 @@ TRACEPARENT = f"00-{TRACE_ID}-{ENVOY_SPAN}-01"
 async def traced_rig(exporter: InMemorySpanExporter, **tracing: Any) -> AsyncIterator[SessionRig]:
     config = make_config()
     config["tracing"] = {"enabled": True, **tracing}
-    server = KvgateServer(parse_config(config), span_exporter=exporter)
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    try:
-        yield SessionRig(server, channel)
-    finally:
-        await channel.close()
-        await server.stop()
+    async for rig in _rig(config, span_exporter=exporter):
+        yield rig
 
 
 async def run_stream(rig: SessionRig, extra_headers: dict[str, str]) -> int:
