@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml sim/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[demo,dev]' -e ./sim
+	# xds-protos ships older copies of opentelemetry-proto's modules (same paths): whichever
+	# is installed last wins, so put the OpenTelemetry ones back (tracing needs them).
+	$(BIN)/pip install --quiet --no-deps --force-reinstall \
+		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -57,10 +57,31 @@ def build_tracing(config: TracingConfig, *, exporter: SpanExporter | None = None
     try:
         return Tracing(config, exporter=exporter)
     except ImportError as exc:
+        if _otel_proto_shadowed(exc):
+            raise ConfigError(
+                "tracing.enabled: opentelemetry-proto is installed but its generated modules "
+                "were overwritten by xds-protos, which ships older copies of the same files "
+                f"({exc}); reinstall it after kvgate's other dependencies: pip install "
+                "--no-deps --force-reinstall opentelemetry-proto"
+            ) from None
         raise ConfigError(
             f"tracing.enabled needs the OpenTelemetry packages, which are not installed "
             f"({exc.name or exc}): {INSTALL_HINT}, or set tracing.enabled: false"
         ) from None
+
+
+def _otel_proto_shadowed(error: ImportError) -> bool:
+    """xds-protos and opentelemetry-proto both install opentelemetry/proto/**/*_pb2.py; the
+    package installed last wins, and xds-protos' copies lack newer messages."""
+    from importlib import metadata
+
+    if not (error.name or "").startswith("opentelemetry.proto"):
+        return False
+    try:
+        metadata.version("opentelemetry-proto")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 class Tracing:

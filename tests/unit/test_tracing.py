@@ -335,3 +335,21 @@ async def test_settler_without_tracing_records_nothing(
         reading = ResponseReading(accepted=True, streamed=False, usage=ActualUsage(3, 1))
         _, task = life.settler.settle(ticket, SettleCause.COMPLETED, reading)
         await task
+
+
+def test_shadowed_otel_modules_are_named_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xds-protos' older copy of an opentelemetry-proto module (installed after it) shows up
+    as an ImportError from that module: kvgate says so, and how to repair the install."""
+    import kvgate.tracing as tracing_module
+
+    def overwritten(*args: object, **kwargs: object) -> None:
+        raise ImportError(
+            "cannot import name 'InstrumentationScope'",
+            name="opentelemetry.proto.common.v1.common_pb2",
+        )
+
+    monkeypatch.setattr(tracing_module, "Tracing", overwritten)
+    with pytest.raises(ConfigError) as caught:
+        build_tracing(TracingConfig(enabled=True))
+    message = str(caught.value)
+    assert "xds-protos" in message and "--force-reinstall opentelemetry-proto" in message
