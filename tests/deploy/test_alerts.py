@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from testbed.harness import ManagedProcess, _bin, free_port
+from testbed.harness import ManagedProcess, _bin
 from tests.deploy.test_manifests import (
     DASHBOARD,
     DEPLOY,
@@ -45,6 +45,7 @@ from tests.deploy.test_manifests import (
     promql_names,
     recording_rules,
     sidecar_bootstrap,
+    sidecar_bootstrap_on_loopback,
 )
 
 PROMTOOL_TESTS = sorted((DEPLOY / "prometheus" / "tests").glob("*.yaml"))
@@ -121,22 +122,7 @@ def envoy_stats(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str
     deploy/kubernetes/gateway-with-sidecar.yaml, run on free loopback ports, after one model
     request that failed in ext_proc (no kvgate runs here: the filter fails closed)."""
     tmp_path = tmp_path_factory.mktemp("envoy-stats")
-    bootstrap = sidecar_bootstrap()
-    admin, ingress, readiness = free_port(), free_port(), free_port()
-    bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin
-    for listener in bootstrap["static_resources"]["listeners"]:
-        socket = listener["address"]["socket_address"]
-        socket["address"] = "127.0.0.1"
-        socket["port_value"] = ingress if listener["name"] == "ingress" else readiness
-    for cluster in bootstrap["static_resources"]["clusters"]:
-        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-        socket = endpoint["address"]["socket_address"]
-        if cluster["name"] == "envoy_admin":
-            socket["port_value"] = admin
-        else:
-            if cluster["type"] == "STRICT_DNS":
-                socket["address"] = "localhost"  # no cluster DNS here
-            socket["port_value"] = free_port()
+    bootstrap, _admin, ingress, readiness = sidecar_bootstrap_on_loopback()
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(bootstrap, sort_keys=False), encoding="utf-8")
     argv = [_bin("envoy"), "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]

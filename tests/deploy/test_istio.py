@@ -35,7 +35,7 @@ from tests.deploy.test_manifests import (
     HCM,
     ISTIO_FILTERS,
     ROUTER,
-    deep_merge,
+    apply_istio_patch,
     envoy_reference,
     ext_proc_config,
     hcm_of,
@@ -153,24 +153,9 @@ def apply_to_matching_listeners(
         ]
         assert len(targets) == 1, f"{patch['applyTo']} patch lands on {len(targets)} listeners"
         (listener,) = targets
-        value = copy.deepcopy(patch["patch"]["value"])
-        hcm = hcm_of(listener)
-        if patch["applyTo"] == "HTTP_FILTER":
-            assert patch["patch"]["operation"] == "INSERT_BEFORE"
-            value["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "kvgate_extproc"
-            filters = hcm["http_filters"]
-            router = next(i for i, f in enumerate(filters) if f["name"] == ROUTER)
-            hcm["http_filters"] = [*filters[:router], value, *filters[router:]]
-        elif patch["applyTo"] == "NETWORK_FILTER":
-            assert patch["patch"]["operation"] == "MERGE"
-            merged = deep_merge(hcm, value["typed_config"])
-            hcm.clear()
-            hcm.update(merged)
-        elif patch["applyTo"] == "LISTENER":
-            assert patch["patch"]["operation"] == "MERGE"
-            listener.update(deep_merge(listener, value))
-        else:
-            raise AssertionError(f"unexpected patch {patch['applyTo']}")
+        # The gateway patches add no routes: an HTTP_ROUTE patch here would fail the helper.
+        assert patch["applyTo"] != "HTTP_ROUTE"
+        apply_istio_patch(listener, patch, replace_ext_proc=False)
     return config
 
 

@@ -559,8 +559,9 @@ def test_sidecar_bootstrap_matches_the_pod_and_kvgate() -> None:
     assert "/etc/envoy/envoy.yaml" in envoy["args"]
 
 
-def test_sidecar_readiness_listener_exposes_only_ready_and_stats(tmp_path: Path) -> None:
-    """Run the real Envoy on the bootstrap (moved to free loopback ports)."""
+def sidecar_bootstrap_on_loopback() -> tuple[dict[str, Any], int, int, int]:
+    """The sidecar bootstrap moved to free loopback ports (no cluster DNS: STRICT_DNS
+    endpoints become localhost): (bootstrap, admin, ingress, readiness) ports."""
     bootstrap = sidecar_bootstrap()
     admin, ingress, readiness = free_port(), free_port(), free_port()
     bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin
@@ -569,16 +570,20 @@ def test_sidecar_readiness_listener_exposes_only_ready_and_stats(tmp_path: Path)
         socket["address"] = "127.0.0.1"
         socket["port_value"] = ingress if listener["name"] == "ingress" else readiness
     for cluster in bootstrap["static_resources"]["clusters"]:
-        socket = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
-            "address"
-        ]["socket_address"]
+        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        socket = endpoint["address"]["socket_address"]
         if cluster["name"] == "envoy_admin":
             socket["port_value"] = admin
-        elif cluster["type"] == "STRICT_DNS":
-            socket["address"] = "localhost"  # no cluster DNS here
-            socket["port_value"] = free_port()
         else:
+            if cluster["type"] == "STRICT_DNS":
+                socket["address"] = "localhost"
             socket["port_value"] = free_port()
+    return bootstrap, admin, ingress, readiness
+
+
+def test_sidecar_readiness_listener_exposes_only_ready_and_stats(tmp_path: Path) -> None:
+    """Run the real Envoy on the bootstrap (moved to free loopback ports)."""
+    bootstrap, _admin, _ingress, readiness = sidecar_bootstrap_on_loopback()
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(bootstrap, sort_keys=False), encoding="utf-8")
     argv = [_bin("envoy"), "-c", str(path), "--disable-hot-restart", "--concurrency", "1"]
@@ -699,31 +704,42 @@ def apply_istio_patches(config: dict[str, Any], envoy_filter: dict[str, Any]) ->
     cluster `inbound|8000||` to its `vllm-local`)."""
     config = copy.deepcopy(config)
     listener = config["static_resources"]["listeners"][0]
-    hcm = hcm_of(listener)
     for patch in envoy_filter["spec"]["configPatches"]:
-        value = copy.deepcopy(patch["patch"]["value"])
-        if patch["applyTo"] == "HTTP_FILTER":
-            value["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "kvgate_extproc"
-            filters = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC]
-            router = next(i for i, f in enumerate(filters) if f["name"] == ROUTER)
-            hcm["http_filters"] = [*filters[:router], value, *filters[router:]]
-        elif patch["applyTo"] == "NETWORK_FILTER":
-            assert patch["patch"]["operation"] == "MERGE"
-            merged = deep_merge(hcm, value["typed_config"])
-            hcm.clear()
-            hcm.update(merged)
-        elif patch["applyTo"] == "LISTENER":
-            assert patch["patch"]["operation"] == "MERGE"
-            listener.update(deep_merge(listener, value))
-        elif patch["applyTo"] == "HTTP_ROUTE":
-            assert patch["patch"]["operation"] == "INSERT_FIRST"
-            if value.get("route", {}).get("cluster", "").startswith("inbound|"):
-                value["route"]["cluster"] = "vllm-local"
-            for vhost in hcm["route_config"]["virtual_hosts"]:
-                vhost["routes"] = [value, *vhost["routes"]]
-        else:
-            raise AssertionError(f"unexpected patch {patch['applyTo']}")
+        apply_istio_patch(listener, patch, replace_ext_proc=True)
     return config
+
+
+def apply_istio_patch(
+    listener: dict[str, Any], patch: dict[str, Any], *, replace_ext_proc: bool
+) -> None:
+    """One EnvoyFilter patch on one listener, in place. `replace_ext_proc`: the listener
+    already has envoy/envoy.yaml's ext_proc filter, which the inserted one replaces."""
+    value = copy.deepcopy(patch["patch"]["value"])
+    hcm = hcm_of(listener)
+    if patch["applyTo"] == "HTTP_FILTER":
+        assert patch["patch"]["operation"] == "INSERT_BEFORE"
+        value["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "kvgate_extproc"
+        filters = hcm["http_filters"]
+        if replace_ext_proc:
+            filters = [f for f in filters if f["name"] != EXT_PROC]
+        router = next(i for i, f in enumerate(filters) if f["name"] == ROUTER)
+        hcm["http_filters"] = [*filters[:router], value, *filters[router:]]
+    elif patch["applyTo"] == "NETWORK_FILTER":
+        assert patch["patch"]["operation"] == "MERGE"
+        merged = deep_merge(hcm, value["typed_config"])
+        hcm.clear()
+        hcm.update(merged)
+    elif patch["applyTo"] == "LISTENER":
+        assert patch["patch"]["operation"] == "MERGE"
+        listener.update(deep_merge(listener, value))
+    elif patch["applyTo"] == "HTTP_ROUTE":
+        assert patch["patch"]["operation"] == "INSERT_FIRST"
+        if value.get("route", {}).get("cluster", "").startswith("inbound|"):
+            value["route"]["cluster"] = "vllm-local"
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            vhost["routes"] = [value, *vhost["routes"]]
+    else:
+        raise AssertionError(f"unexpected patch {patch['applyTo']}")
 
 
 def istio_inbound_bootstrap() -> dict[str, Any]:
