@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from testbed.demo_model import demo_model_dir
+from testbed.harness import wait_until
 from testbed.redis_harness import RedisStack
 
 KEY = "sk-demo"
@@ -48,6 +49,7 @@ def ask(client: httpx.Client) -> httpx.Response:
 
 
 def test_requests_after_a_replica_is_killed_all_succeed(two_replicas: RedisStack) -> None:
+    before = two_replicas.ledger("demo")
     with httpx.Client(base_url=two_replicas.base_url, timeout=10) as client:
         # Both replicas take traffic first (round robin over healthy endpoints).
         assert all(ask(client).status_code == 200 for _ in range(10))
@@ -61,3 +63,13 @@ def test_requests_after_a_replica_is_killed_all_succeed(two_replicas: RedisStack
     assert len(statuses) >= 10
     failed = [s for s in statuses if s != 200]
     assert failed == [], f"{len(failed)} of {len(statuses)} requests failed: {failed}"
+    # A retried stream is never decided twice: every answer is charged exactly once (the
+    # ten before the kill included), 2 output tokens each.
+    answered = 10 + len(statuses)
+    ledger = wait_until(
+        lambda: two_replicas.ledger("demo"),
+        lambda now: now["requests"] - before["requests"] >= answered,
+        timeout=10,
+    )
+    assert ledger["requests"] - before["requests"] == answered
+    assert ledger["output_tokens"] - before["output_tokens"] == 2 * answered

@@ -89,11 +89,11 @@ def test_the_config_validates(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def post(stack: Stack, host: str, key: str, model: str = MODEL) -> httpx.Response:
+def post(stack: Stack, host: str, key: str, model: str = MODEL, **extra: str) -> httpx.Response:
     return httpx.post(
         stack.base_url + "/v1/chat/completions",
         json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
-        headers={"authorization": f"Bearer {key}", "host": host},
+        headers={"authorization": f"Bearer {key}", "host": host, **extra},
         timeout=30,
     )
 
@@ -148,4 +148,21 @@ def test_unreadable_settings_fail_closed(stack: Stack) -> None:
     error = resp.json()["error"]
     assert error["code"] == "route_misconfigured"
     assert "x-kvgate-route-model" in error["message"]
+    assert served_count(stack) == served
+
+
+def test_a_client_cannot_say_route_settings_itself(stack: Stack) -> None:
+    """Route settings come only from Envoy's route configuration (gRPC metadata): the same
+    names sent as request headers are removed like every client x-kvgate-* header."""
+    served = served_count(stack)
+    forged = {
+        "x-kvgate-route": "open",
+        "x-kvgate-route-tenants": "team-b",
+        "x-kvgate-route-models": OTHER_MODEL,
+    }
+    resp = post(stack, "restricted.local", TEAM_B_KEY, **forged)
+    assert resp.status_code == 403, resp.text
+    assert resp.json()["error"]["code"] == "tenant_not_allowed_on_route"
+    resp = post(stack, "restricted.local", TEAM_A_KEY, OTHER_MODEL, **forged)
+    assert resp.status_code == 404, resp.text
     assert served_count(stack) == served
