@@ -77,6 +77,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="how many /v1/* requests GET /sim/requests remembers",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="vLLM's automatic prefix caching: full KV blocks of equal prefixes are "
+        "shared and kept, evictable, after their requests end (vLLM v1 defaults to on; "
+        "the simulator to off)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage carries prompt_tokens_details.cached_tokens after a prefix-cache hit "
+        "(as vLLM's flag)",
+    )
+    p.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=float,
+        default=0.0,
+        help="prefill time per 1,000 prompt tokens not found in the prefix cache, added "
+        "to --ttft-ms",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -98,6 +119,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k),
         max_logprobs=args.max_logprobs,
         request_history=args.request_history,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
     )
 
 
@@ -112,13 +136,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"vllm-sim: {exc}") from exc
     app = create_app(config)
     logging.getLogger("vllm_sim").info(
-        "serving %s from %s on http://%s:%d (KV %d blocks x %d tokens)",
+        "serving %s from %s on http://%s:%d (KV %d blocks x %d tokens, prefix caching %s)",
         config.served_model_name,
         config.model_dir,
         args.host,
         args.port,
         config.gpu_blocks,
         config.block_size,
+        "on" if config.enable_prefix_caching else "off",
     )
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
 

@@ -44,6 +44,15 @@ class SimConfig:
     max_logprobs: int = 20
     # How many arriving /v1/* requests /sim/requests remembers.
     request_history: int = 1000
+    # vLLM's --enable-prefix-caching. vLLM v1 turns it on by default; the simulator
+    # keeps it off by default because existing tests count KV blocks without sharing.
+    enable_prefix_caching: bool = False
+    # vLLM's --enable-prompt-tokens-details: usage carries
+    # prompt_tokens_details.cached_tokens when a request hit the prefix cache.
+    enable_prompt_tokens_details: bool = False
+    # Prefill cost per 1,000 tokens a prefill computes (those not found in the prefix
+    # cache), added to the TTFT; 0 keeps the TTFT flat.
+    prefill_ms_per_1k_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -56,7 +65,7 @@ class SimConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.default_output_tokens < 1:
             raise ValueError("default_output_tokens must be >= 1")
-        if self.ttft_ms < 0 or self.itl_ms < 0:
+        if self.ttft_ms < 0 or self.itl_ms < 0 or self.prefill_ms_per_1k_tokens < 0:
             raise ValueError("latencies must be >= 0")
         if self.max_logprobs < -1:
             raise ValueError("max_logprobs must be >= -1")

@@ -25,8 +25,7 @@ def cache_config_labels(config: SimConfig) -> dict[str, str]:
         "is_attention_free": "False",
         "num_gpu_blocks_override": override,
         "sliding_window": "None",
-        # The simulator shares no KV between requests, so it reports no prefix cache.
-        "enable_prefix_caching": "False",
+        "enable_prefix_caching": str(config.enable_prefix_caching),
         "prefix_caching_hash_algo": "builtin",
         "cpu_offload_gb": "0",
         "calculate_kv_scales": "False",
@@ -70,6 +69,19 @@ class SimMetrics(EngineListener):
             registry=reg,
         )
         kv_usage.labels(*labels).set_function(lambda: engine.kv_usage)
+        # Registered (at 0) with prefix caching off too, as in vLLM.
+        self._prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labelnames,
+            registry=reg,
+        ).labels(*labels)
+        self._prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labelnames,
+            registry=reg,
+        ).labels(*labels)
 
         self._preemptions = Counter(
             "vllm:num_preemptions",
@@ -118,6 +130,10 @@ class SimMetrics(EngineListener):
 
     def on_request_done(self, reason: str) -> None:
         self._success[reason].inc()
+
+    def on_prefix_cache_lookup(self, queries: int, hits: int) -> None:
+        self._prefix_queries.inc(queries)
+        self._prefix_hits.inc(hits)
 
     def render(self, accept_header: str) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept_header)

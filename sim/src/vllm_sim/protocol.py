@@ -9,8 +9,9 @@ which keys appear depends on how each object is dumped:
   server passed explicitly (None included when passed);
 * completion stream chunks: ``model_dump_json(exclude_unset=False)`` -> every field,
   so each chunk carries ``"usage":null``;
-* the final usage chunk (both APIs): ``exclude_none=True`` as well, so no
-  ``prompt_tokens_details``.
+* the final usage chunk (both APIs): ``exclude_none=True`` as well, so
+  ``prompt_tokens_details`` shows only when set (``--enable-prompt-tokens-details``
+  and a prefix-cache hit: ``{"cached_tokens": N}``).
 
 Both serializers produce compact JSON with raw UTF-8, which ``dumps`` reproduces.
 """
@@ -93,14 +94,21 @@ class ChoiceOutput:
     prompt_logprobs: list[Any] | None = None
 
 
-def usage(prompt: int, completion: int, *, details: bool) -> dict[str, Any]:
-    """``UsageInfo``; field order is prompt, total, completion (vLLM's declaration)."""
+def usage(prompt: int, completion: int, *, details: bool, cached_tokens: int = 0) -> dict[str, Any]:
+    """``UsageInfo``; field order is prompt, total, completion (vLLM's declaration).
+
+    ``details``: the dump shows unset fields (``prompt_tokens_details: null``).
+    ``cached_tokens``: what vLLM puts in ``prompt_tokens_details`` (it does so only
+    with ``--enable-prompt-tokens-details`` and a non-zero count; the caller decides).
+    """
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
     }
-    if details:
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    elif details:
         out["prompt_tokens_details"] = None
     return out
 
@@ -210,12 +218,14 @@ class ChatFormatter:
             chunk["usage"] = usage_now
         return chunk
 
-    def usage_chunk(self, prompt: int, completion: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt: int, completion: int, cached_tokens: int = 0) -> dict[str, Any]:
         chunk = self._chunk([])
-        chunk["usage"] = usage(prompt, completion, details=False)
+        chunk["usage"] = usage(prompt, completion, details=False, cached_tokens=cached_tokens)
         return chunk
 
-    def response(self, prompt_ids: list[int], outputs: list[ChoiceOutput]) -> dict[str, Any]:
+    def response(
+        self, prompt_ids: list[int], outputs: list[ChoiceOutput], cached_tokens: int = 0
+    ) -> dict[str, Any]:
         choices = [
             {
                 "index": out.index,
@@ -245,7 +255,7 @@ class ChatFormatter:
             "choices": choices,
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": usage(len(prompt_ids), completion, details=True),
+            "usage": usage(len(prompt_ids), completion, details=True, cached_tokens=cached_tokens),
             "prompt_logprobs": None,
             "prompt_token_ids": prompt_ids if self.return_token_ids else None,
             "kv_transfer_params": None,
@@ -299,17 +309,19 @@ class CompletionFormatter:
             "usage": usage_now,
         }
 
-    def usage_chunk(self, prompt: int, completion: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt: int, completion: int, cached_tokens: int = 0) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": usage(prompt, completion, details=False),
+            "usage": usage(prompt, completion, details=False, cached_tokens=cached_tokens),
         }
 
-    def response(self, prompt_tokens: int, outputs: list[ChoiceOutput]) -> dict[str, Any]:
+    def response(
+        self, prompt_tokens: int, outputs: list[ChoiceOutput], cached_tokens: int = 0
+    ) -> dict[str, Any]:
         choices = [
             {
                 "index": out.index,
@@ -332,6 +344,6 @@ class CompletionFormatter:
             "choices": choices,
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": usage(prompt_tokens, completion, details=True),
+            "usage": usage(prompt_tokens, completion, details=True, cached_tokens=cached_tokens),
             "kv_transfer_params": None,
         }

@@ -216,6 +216,7 @@ class VllmSim:
             num_gpu_blocks=config.gpu_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
+            enable_prefix_caching=config.enable_prefix_caching,
             served_history=config.served_history,
         )
         self.metrics = SimMetrics(config, self.engine)
@@ -334,6 +335,9 @@ class VllmSim:
             "num_gpu_blocks": self.config.gpu_blocks,
             "block_size": self.config.block_size,
             "max_num_seqs": self.config.max_num_seqs,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "enable_prompt_tokens_details": self.config.enable_prompt_tokens_details,
+            "prefill_ms_per_1k_tokens": self.config.prefill_ms_per_1k_tokens,
         }
         return _json_response(snap)
 
@@ -349,6 +353,8 @@ class VllmSim:
 
     async def sim_reset(self, _request: web.Request) -> web.Response:
         self.engine.reset_stats()
+        # A cold prefix cache too, so each test starts from the same state.
+        self.engine.reset_prefix_cache()
         self.requests.clear()
         self.metrics = SimMetrics(self.config, self.engine)
         self.engine.listener = self.metrics
@@ -508,6 +514,16 @@ class VllmSim:
             ignore_eos=common.ignore_eos,
             min_tokens=common.min_tokens,
         )
+        eos = self.tokenizer.eos_token_id if self.config.eos_on_stop else None
+        eos_id = eos if finish_reason == "stop" else None
+        tokenizer = self.tokenizer
+
+        def output_id(i: int) -> int:
+            # The prefix cache hashes generated tokens too (as _token sends them).
+            if eos_id is not None and i == n_out - 1:
+                return eos_id
+            return tokenizer.output_token(i)[0]
+
         req = SimRequest(
             request_id=request_id,
             prompt_tokens=len(prompt_ids),
@@ -516,15 +532,28 @@ class VllmSim:
             endpoint=endpoint,
             stream=common.stream,
             max_tokens=common.max_tokens,
-        )
-        eos = self.tokenizer.eos_token_id if self.config.eos_on_stop else None
-        return _Choice(
-            index=index,
             prompt_ids=prompt_ids,
-            req=req,
-            eos_id=eos if finish_reason == "stop" else None,
-            echo=echo,
+            output_id=output_id,
+            cache_salt=common.cache_salt,
+            prefix_lookup=not common.prompt_logprobs,
         )
+        return _Choice(index=index, prompt_ids=prompt_ids, req=req, eos_id=eos_id, echo=echo)
+
+    def _cached_tokens(self, choices: list[_Choice], n: int, *, stream: bool) -> int:
+        """``prompt_tokens_details.cached_tokens`` of a response; 0 leaves it out.
+
+        vLLM reports one sequence's ``num_cached_tokens`` (its prefix-cache hit at
+        its first scheduling), and only with --enable-prompt-tokens-details: a stream
+        takes the first output it reads (the first sequence admitted), a plain
+        response its last prompt's output, completed by that prompt's last sequence
+        to finish (n > 1 fans out into sequences).
+        """
+        if not self.config.enable_prompt_tokens_details:
+            return 0
+        if stream:
+            first = min(choices, key=lambda c: c.req.admit_order)
+            return first.req.cached_tokens
+        return max(choices[-n:], key=lambda c: c.req.finish_order).req.cached_tokens
 
     def _token(self, choice: _Choice, i: int) -> tuple[int, str]:
         # The last token of a "stop" finish is EOS: counted, never shown.
@@ -625,7 +654,12 @@ class VllmSim:
 
     async def _pump(self, choice: _Choice, feed: _Feed, steering: Steering) -> None:
         req = choice.req
-        gen = self.engine.generate(req, ttft_s=steering.ttft_s, itl_s=steering.itl_s)
+        gen = self.engine.generate(
+            req,
+            ttft_s=steering.ttft_s,
+            itl_s=steering.itl_s,
+            prefill_s_per_token=self.config.prefill_ms_per_1k_tokens / 1e6,
+        )
         try:
             while req.generated < req.target_tokens:
                 await choice.demand.acquire()
@@ -771,7 +805,8 @@ class VllmSim:
         if include_usage:
             prompt_tokens = len(prompts[0]) if chat else sum(len(p) for p in prompts)
             completion = sum(c.req.generated for c in choices)
-            await resp.write(protocol.sse(fmt.usage_chunk(prompt_tokens, completion)))
+            cached = self._cached_tokens(choices, common.n, stream=True)
+            await resp.write(protocol.sse(fmt.usage_chunk(prompt_tokens, completion, cached)))
         await resp.write(protocol.SSE_DONE)
         await resp.write_eof()
         return resp
@@ -830,10 +865,11 @@ class VllmSim:
                     out.prompt_logprobs = lps.prompt_logprobs(prompt_positions)
                 else:
                     out.logprobs = lps.completion(c.output_ids, positions, k)
+        cached = self._cached_tokens(choices, common.n, stream=False)
         if isinstance(fmt, protocol.ChatFormatter):
-            body = fmt.response(prompts[0], outputs)
+            body = fmt.response(prompts[0], outputs, cached)
         else:
-            body = fmt.response(sum(len(p) for p in prompts), outputs)
+            body = fmt.response(sum(len(p) for p in prompts), outputs, cached)
         for c in choices:
             c.req.sent = len(c.output_ids)
         return _json_response(body)

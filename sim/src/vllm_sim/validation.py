@@ -184,6 +184,20 @@ class CommonParams:
     # How many top alternatives each sampled token's logprobs carry; None: no
     # logprobs at all (chat: top_logprobs when logprobs is true; completions: logprobs).
     logprobs: int | None = None
+    # Salts the prefix cache's first block hash (vLLM's cache_salt).
+    cache_salt: str | None = None
+    # vLLM's SamplingParams.prompt_logprobs is set: the engine then skips the prefix
+    # cache lookup (the whole prompt is computed), though it still fills the cache.
+    prompt_logprobs: bool = False
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's ``check_cache_salt_support`` model validator (the last one declared, so
+    the first a request meets)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _value_error("Parameter 'cache_salt' must be a non-empty string if provided.", body)
+    return salt
 
 
 def _common(
@@ -206,6 +220,7 @@ def _common(
         ignore_eos=_opt_bool(body, "ignore_eos", False),
         min_tokens=_opt_int(body, "min_tokens", 0) or 0,
         logprobs=logprobs,
+        cache_salt=body.get("cache_salt"),
     )
 
 
@@ -265,6 +280,7 @@ class ChatRequest:
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    _cache_salt(body)
     if "messages" not in body:
         raise _type_error("missing", "Field required", _loc("messages"), body)
     messages = body["messages"]
@@ -298,8 +314,13 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         )
     # OpenAI's newer name wins; vLLM uses `max_completion_tokens or max_tokens`.
     max_tokens = _opt_int(body, "max_completion_tokens") or _opt_int(body, "max_tokens")
+    common = _common(body, max_tokens=max_tokens, logprobs=_chat_logprobs(body))
+    # vLLM: prompt_logprobs, else top_logprobs (default 0) when chat echo is set.
+    common.prompt_logprobs = body.get("prompt_logprobs") is not None or (
+        _opt_bool(body, "echo", False) and body.get("top_logprobs", 0) is not None
+    )
     return ChatRequest(
-        common=_common(body, max_tokens=max_tokens, logprobs=_chat_logprobs(body)),
+        common=common,
         messages=messages,
         tools=tools,
         documents=body.get("documents"),
@@ -360,6 +381,7 @@ def _prompt_embeds(value: Any) -> list[str]:
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    _cache_salt(body)
     prompt = body.get("prompt")
     embeds = body.get("prompt_embeds")
     prompt_is_empty = prompt is None or prompt == ""
@@ -371,6 +393,10 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     prompt_embeds = None if embeds is None else _prompt_embeds(embeds)
     common = _common(body, max_tokens=_opt_int(body, "max_tokens", 16), logprobs=logprobs)
     echo = _opt_bool(body, "echo", False)
+    # vLLM: prompt_logprobs, else logprobs when echoing.
+    common.prompt_logprobs = body.get("prompt_logprobs") is not None or (
+        echo and body.get("logprobs") is not None
+    )
     if body.get("suffix") is not None:
         raise RequestError.bad_request("suffix is not currently supported")
     if echo and prompt_embeds is not None:
