@@ -486,7 +486,7 @@ class KVEngine:
                 continue
             # This step computed the token sampled last (vLLM caches a block once
             # the tokens fed to the model fill it; the newest sample is not fed yet).
-            if req.num_tokens // self.block_size > req.cached_blocks:
+            if self.enable_prefix_caching and req.num_tokens // self.block_size > req.cached_blocks:
                 self._cache_computed(req, req.num_tokens)
             req.needs_prefill = False
             if req.generated == 0:
