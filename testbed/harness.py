@@ -48,6 +48,8 @@ DEMO_API_KEY = "sk-kvgate-demo"
 # Names the harness looks up in envoy/envoy.yaml (see the comment at its top).
 EXTPROC_CLUSTER = "kvgate_extproc"
 TEMPLATE_BACKEND_CLUSTER = "vllm-local"
+# The ORIGINAL_DST cluster template for pools (backends with several endpoints).
+TEMPLATE_POOL_CLUSTER = "vllm-pool"
 
 
 def _bin(name: str) -> str:
@@ -108,6 +110,7 @@ def render_envoy_config(
     extproc_port: int,
     backends: Mapping[str, int],
     default_backend: str | None = None,
+    pools: Sequence[str] = (),
 ) -> Path:
     """Write a copy of the Envoy bootstrap `src` to `dst` with loopback addresses and ports.
 
@@ -117,7 +120,9 @@ def render_envoy_config(
       cluster (named after the backend, as kvgate's x-kvgate-backend header expects);
       the `vllm-local` template itself is dropped unless it is one of `backends`;
     - routes that pointed at `vllm-local` point at `default_backend` (default: `vllm-local`
-      if listed, else the first backend).
+      if listed, else the first backend);
+    - one ORIGINAL_DST cluster per name in `pools`, a copy of the `vllm-pool` template (kvgate
+      names the endpoint in x-kvgate-destination); the template itself is dropped.
     The result is not validated here; see `validate_envoy_config`.
     """
     if not backends:
@@ -147,7 +152,17 @@ def render_envoy_config(
     _set_single_endpoint(by_name[EXTPROC_CLUSTER], extproc_port)
 
     template = by_name[TEMPLATE_BACKEND_CLUSTER]
-    new_clusters = [c for c in clusters if c["name"] != TEMPLATE_BACKEND_CLUSTER]
+    new_clusters = [
+        c for c in clusters if c["name"] not in (TEMPLATE_BACKEND_CLUSTER, TEMPLATE_POOL_CLUSTER)
+    ]
+    for name in pools:
+        if TEMPLATE_POOL_CLUSTER not in by_name:
+            raise ValueError(f"{src}: pools need the {TEMPLATE_POOL_CLUSTER!r} cluster template")
+        if (name in by_name and name != TEMPLATE_POOL_CLUSTER) or name in backends:
+            raise ValueError(f"pool name {name!r} clashes with an existing Envoy cluster")
+        cluster = copy.deepcopy(by_name[TEMPLATE_POOL_CLUSTER])
+        cluster["name"] = name
+        new_clusters.append(cluster)
     for name, port in backends.items():
         if name in by_name and name != TEMPLATE_BACKEND_CLUSTER:
             raise ValueError(f"backend name {name!r} clashes with an existing Envoy cluster")
@@ -472,6 +487,7 @@ class Stack:
         sim: SimOptions | Mapping[str, Any] | None = None,
         sim_per_backend: Mapping[str, SimOptions | Mapping[str, Any]] | None = None,
         kvgate_overrides: Mapping[str, Any] | None = None,
+        pool_replicas: Mapping[str, int] | None = None,
         envoy_config: Path = ENVOY_CONFIG,
         work_dir: Path | None = None,
         envoy_log_level: str = "warning",
@@ -495,16 +511,22 @@ class Stack:
         self.backends = [dict(b) for b in (backends or default_backends())]
         self.kvgate_overrides = dict(kvgate_overrides or {})
 
+        # backend -> number of simulator replicas behind it: the backend is a pool whose
+        # endpoints are those replicas (simulators named "<backend>#<i>").
+        self.pool_replicas = dict(pool_replicas or {})
         base_sim = sim if isinstance(sim, SimOptions) else SimOptions(**dict(sim or {}))
         self.sim_options: dict[str, SimOptions] = {}
         for backend in self.backends:
-            override = (sim_per_backend or {}).get(backend["name"])
-            if override is None:
-                self.sim_options[backend["name"]] = copy.deepcopy(base_sim)
-            elif isinstance(override, SimOptions):
-                self.sim_options[backend["name"]] = override
-            else:  # a dict overrides fields of `sim` for this backend only
-                self.sim_options[backend["name"]] = dataclasses.replace(base_sim, **override)
+            for sim_name in self._sim_names(backend["name"]):
+                override = (sim_per_backend or {}).get(sim_name) or (sim_per_backend or {}).get(
+                    backend["name"]
+                )
+                if override is None:
+                    self.sim_options[sim_name] = copy.deepcopy(base_sim)
+                elif isinstance(override, SimOptions):
+                    self.sim_options[sim_name] = override
+                else:  # a dict overrides fields of `sim` for this backend only
+                    self.sim_options[sim_name] = dataclasses.replace(base_sim, **override)
 
         # ports
         self.listen_port = free_port()
@@ -512,7 +534,9 @@ class Stack:
         self.grpc_port = free_port()
         self.kvgate_http_port = free_port()
         self.kvgate_admin_port = free_port()
-        self.sim_ports = {b["name"]: free_port() for b in self.backends}
+        self.sim_ports = {
+            sim_name: free_port() for b in self.backends for sim_name in self._sim_names(b["name"])
+        }
 
         self.kvgate_config_path = self.work_dir / "kvgate.yaml"
         self.envoy_config_path = self.work_dir / "envoy.yaml"
@@ -522,6 +546,14 @@ class Stack:
         self._started = False
 
     # config -----------------------------------------------------------------
+    def _sim_names(self, backend: str) -> list[str]:
+        replicas = self.pool_replicas.get(backend)
+        return [backend] if replicas is None else [f"{backend}#{i}" for i in range(replicas)]
+
+    def pool_endpoints(self, backend: str) -> list[str]:
+        """A pool's endpoints (IP:PORT), in replica order."""
+        return [f"127.0.0.1:{self.sim_ports[name]}" for name in self._sim_names(backend)]
+
     def _tenant(self, tenant: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(tenant)
         key = out.pop("api_key", None)
@@ -542,21 +574,36 @@ class Stack:
             "store": "memory",
             "tenants": self.tenants,
             "models": self.models,
-            "backends": self.backends,
+            "backends": [self._backend_config(b) for b in self.backends],
         }
         return _deep_merge(config, self.kvgate_overrides)
+
+    def _backend_config(self, backend: dict[str, Any]) -> dict[str, Any]:
+        if backend["name"] not in self.pool_replicas or "endpoint_discovery" in backend:
+            return backend
+        return {"endpoints": self.pool_endpoints(backend["name"]), **backend}
 
     def write_configs(self) -> None:
         self.kvgate_config_path.write_text(
             yaml.safe_dump(self.kvgate_config(), sort_keys=False), encoding="utf-8"
         )
+        single = {
+            b["name"]: self.sim_ports[b["name"]]
+            for b in self.backends
+            if b["name"] not in self.pool_replicas
+        }
+        if not single:
+            # Pass-through routes (GET /v1/models) need a plain cluster: the first replica.
+            first_pool = self.backends[0]["name"]
+            single = {TEMPLATE_BACKEND_CLUSTER: self.sim_ports[self._sim_names(first_pool)[0]]}
         render_envoy_config(
             self.envoy_config_src,
             self.envoy_config_path,
             listen_port=self.listen_port,
             admin_port=self.admin_port,
             extproc_port=self.grpc_port,
-            backends=self.sim_ports,
+            backends=single,
+            pools=list(self.pool_replicas),
         )
 
     # urls -------------------------------------------------------------------
@@ -570,8 +617,8 @@ class Stack:
 
     @property
     def sim_url(self) -> str:
-        """The first backend's simulator."""
-        return self.sim_urls[self.backends[0]["name"]]
+        """The first backend's simulator (a pool's first replica)."""
+        return self.sim_urls[self._sim_names(self.backends[0]["name"])[0]]
 
     @property
     def kvgate_http_url(self) -> str:
@@ -596,8 +643,9 @@ class Stack:
         return {"authorization": f"Bearer {self.api_key(tenant)}"}
 
     # processes --------------------------------------------------------------
-    def _sim_argv(self, backend: str) -> list[str]:
-        opts = self.sim_options[backend]
+    def _sim_argv(self, sim_name: str) -> list[str]:
+        opts = self.sim_options[sim_name]
+        backend = sim_name.split("#", 1)[0]
         served = [m for m in self.models if m["backend"] == backend] or self.models[:1]
         return [
             _bin("vllm-sim"),
@@ -606,7 +654,7 @@ class Stack:
             "--served-model-name",
             str(served[0]["name"]),
             "--port",
-            str(self.sim_ports[backend]),
+            str(self.sim_ports[sim_name]),
             *opts.argv(),
         ]
 
@@ -651,10 +699,9 @@ class Stack:
         self._started = True
         try:
             self.write_configs()
-            for backend in self.backends:
-                name = backend["name"]
+            for name in self.sim_ports:
                 self.sims[name] = ManagedProcess(
-                    f"sim-{name}", self._sim_argv(name), log_dir=self.log_dir
+                    f"sim-{name.replace('#', '-')}", self._sim_argv(name), log_dir=self.log_dir
                 ).start()
             self.kvgate = ManagedProcess(
                 "kvgate", self._kvgate_argv(), log_dir=self.log_dir

@@ -18,18 +18,20 @@ from grpc_reflection.v1alpha import reflection
 from kvgate.admin.auth import OperatorAuth, OperatorAuthInterceptor, load_operator_tokens
 from kvgate.admin.service import AdminService
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
+from kvgate.capacity.pools import PoolRegistry
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.config.secrets import redis_passwords, url_has_password
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.handoff import HandoffRegistry
-from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler
+from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler, Ticket
 from kvgate.lifecycle.leases import renew_interval_s
+from kvgate.lifecycle.scheduler import PoolScheduler, QueueMetrics
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.definitions import CountingCollector
 from kvgate.metrics.http import create_http_app
-from kvgate.policy import MonotonicClock, Reservation
+from kvgate.policy import ActualUsage, MonotonicClock, Reservation
 from kvgate.reload import ConfigReloader
 from kvgate.store import (
     FailurePolicy,
@@ -99,6 +101,13 @@ class KvgateServer:
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
         self.capacity = CapacityRegistry()
+        self.pools = PoolRegistry()
+        self.scheduler = PoolScheduler(
+            self.pools,
+            self.store.backend_status,
+            shared_store=config.uses_redis,
+            observer=QueueMetrics(self.metrics),
+        )
         tasks = BackgroundTasks()
         leases = LeaseKeeper(
             self.store,
@@ -122,7 +131,9 @@ class KvgateServer:
                 leases=leases,
                 track=tasks.track,
                 tracing=self.tracing,
+                on_released=self._released,
             ),
+            scheduler=self.scheduler,
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -223,9 +234,24 @@ class KvgateServer:
         for name in ("", EXTPROC_SERVICE):
             await self.health.set(name, status)
 
+    def _released(self, ticket: Ticket, usage: ActualUsage) -> None:
+        """A settlement freed a reservation: a pool's queue may admit the next request,
+        and the tenant's fair-share counter learns what it really got."""
+        if self.scheduler.is_pool(ticket.cluster):
+            reserved = ticket.max_new_tokens * ticket.request.num_sequences
+            self.scheduler.on_released(
+                ticket.cluster, ticket.tenant, usage.output_tokens - reserved
+            )
+
+    async def _sync_capacity(self, config: KvgateConfig) -> None:
+        """Discovery monitors, pools and queues follow the (re)loaded configuration."""
+        await self.capacity.sync(config)
+        await self.pools.sync(config)
+        self.scheduler.sync(config)
+
     async def start(self) -> None:
         server_cfg = self.config.server
-        await self.capacity.sync(self.config)
+        await self._sync_capacity(self.config)
         for backend in self.snapshots.current.backends.values():
             self.metrics.kv_budget_tokens.labels(backend.name).set(backend.kv_budget_tokens)
             self.metrics.kv_tokens_in_flight.labels(backend.name).set(0)
@@ -287,7 +313,7 @@ class KvgateServer:
                 snapshots=self.snapshots,
                 tokenizers=self.tokenizers,
                 metrics=self.metrics,
-                on_applied=self.capacity.sync,
+                on_applied=self._sync_capacity,
                 prepare=self._prepare_reload,
             )
             self.reloader.start_watching()
@@ -363,6 +389,7 @@ class KvgateServer:
         if self._http is not None:
             await self._http.cleanup()
         await self.capacity.close()
+        await self.pools.close()
         await self.store.close()
         self.tokenizers.close()
         if self.tracing is not None:

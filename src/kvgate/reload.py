@@ -118,6 +118,36 @@ FIELD_CLASSES: dict[str, str] = {
     "backends.*.backpressure.max_kv_cache_usage": RELOAD,
     "backends.*.backpressure.max_requests_waiting": RELOAD,
     "backends.*.backpressure.retry_after_s": RELOAD,
+    # Pools: membership, monitors, prefix indexes and queues follow PoolScheduler.sync;
+    # requests already queued keep waiting under the new settings.
+    "backends.*.endpoints": RELOAD,
+    "backends.*.endpoint_discovery.dns_name": RELOAD,
+    "backends.*.endpoint_discovery.port": RELOAD,
+    "backends.*.endpoint_discovery.refresh_s": RELOAD,
+    **{
+        f"backends.*.picking.{name}": RELOAD
+        for name in (
+            "prefix_affinity",
+            "block_chars",
+            "max_blocks",
+            "max_entries",
+            "affinity_weight",
+            "load_gate",
+        )
+    },
+    **{
+        f"backends.*.queue.{name}": RELOAD
+        for name in (
+            "max_wait_s",
+            "max_queued",
+            "max_queued_per_tenant",
+            "input_weight",
+            "output_weight",
+            "poll_interval_s",
+        )
+    },
+    "tenants.*.priority": RELOAD,
+    "tenants.*.allowed_priorities": RELOAD,
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 from decimal import Decimal
@@ -149,6 +150,10 @@ class TenantConfig(_Strict):
     # Optional tighter limits for this tenant on one model.
     model_limits: dict[str, LimitsConfig] = Field(default_factory=dict)
     budget: BudgetConfig | None = None
+    # The tenant's priority class in a pool's queue (higher is served first), and the other
+    # classes its requests may ask for with the `kvgate-priority` header.
+    priority: int = Field(default=0, ge=-100, le=100)
+    allowed_priorities: list[int] = Field(default_factory=list)
     api_key_sha256: list[str] | str = Field(
         description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`."
     )
@@ -241,6 +246,44 @@ class BackpressureConfig(_Strict):
     retry_after_s: float = Field(default=2.0, ge=1)
 
 
+class EndpointDiscoveryConfig(_Strict):
+    """A pool's members from DNS: every address a name resolves to (a Kubernetes headless
+    Service gives one A/AAAA record per ready pod)."""
+
+    dns_name: str = Field(min_length=1, max_length=253)
+    port: int = Field(gt=0, lt=65536)
+    refresh_s: float = Field(default=5.0, gt=0)
+
+
+class PickingConfig(_Strict):
+    """How kvgate chooses one endpoint of a pool (see kvgate.policy.picking)."""
+
+    prefix_affinity: bool = True
+    # Prompts are hashed in blocks of this many characters (about 16 tokens).
+    block_chars: int = Field(default=64, ge=8, le=4096)
+    max_blocks: int = Field(default=128, ge=1, le=4096)
+    # Block hashes remembered (per kvgate process), least recently used dropped first.
+    max_entries: int = Field(default=100_000, ge=1)
+    affinity_weight: float = Field(default=0.6, ge=0, le=1)
+    # Affinity counts only while the endpoint's KV use after the request stays at or below
+    # this, so a popular prefix never piles onto one pod.
+    load_gate: float = Field(default=0.85, gt=0, le=1)
+
+
+class QueueConfig(_Strict):
+    """Wait for room in the pool instead of a 429 (the tenant's own limits still answer at
+    once)."""
+
+    # Bounded by Envoy's max_message_timeout (35 s in the shipped configs): kvgate extends
+    # Envoy's per-message deadline to this plus decision_timeout_s while a request waits.
+    max_wait_s: float = Field(default=10.0, gt=0, le=30)
+    max_queued: int = Field(default=1000, ge=1)
+    max_queued_per_tenant: int = Field(default=100, ge=1)
+    input_weight: float = Field(default=1.0, gt=0)
+    output_weight: float = Field(default=2.0, gt=0)
+    poll_interval_s: float = Field(default=0.05, gt=0, le=5)
+
+
 class BackendConfig(_Strict):
     name: str
     # A number, or "auto": num_gpu_blocks x block_size read from vLLM's
@@ -255,6 +298,26 @@ class BackendConfig(_Strict):
     # an environment variable holding it, so the secret need not live in this file.
     api_key: str | None = Field(default=None, min_length=1, repr=False)
     api_key_env: str | None = Field(default=None, min_length=1)
+    # A pool: the backend is served by several endpoints (IP:PORT), each with this
+    # section's KV budget and concurrency. kvgate picks one per request and names it to
+    # Envoy in x-kvgate-destination (an ORIGINAL_DST cluster). Static, or from DNS.
+    endpoints: list[str] | None = None
+    endpoint_discovery: EndpointDiscoveryConfig | None = None
+    picking: PickingConfig = PickingConfig()
+    queue: QueueConfig | None = None
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("needs at least one IP:PORT")
+        for address in value:
+            parse_endpoint_address(address)
+        if len(set(value)) != len(value):
+            raise ValueError("lists an endpoint twice")
+        return value
 
     @field_validator("name")
     @classmethod
@@ -284,13 +347,45 @@ class BackendConfig(_Strict):
             raise ValueError("set api_key or api_key_env, not both")
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(f"api_key_env: environment variable {self.api_key_env} is not set")
+        if self.endpoints is not None and self.endpoint_discovery is not None:
+            raise ValueError("set endpoints or endpoint_discovery, not both")
+        if self.is_pool and self.discovery is not None:
+            if "{endpoint}" not in self.discovery.metrics_url:
+                raise ValueError(
+                    "discovery.metrics_url of a pool must contain {endpoint} (each endpoint "
+                    "is scraped on its own), e.g. http://{endpoint}/metrics"
+                )
+        elif self.discovery is not None and "{endpoint}" in self.discovery.metrics_url:
+            raise ValueError("discovery.metrics_url has {endpoint} but the backend is no pool")
+        if self.queue is not None and not self.is_pool:
+            raise ValueError("queue needs a pool (endpoints or endpoint_discovery)")
         return self
+
+    @property
+    def is_pool(self) -> bool:
+        return self.endpoints is not None or self.endpoint_discovery is not None
 
     @property
     def upstream_api_key(self) -> str | None:
         if self.api_key_env is not None:
             return os.environ.get(self.api_key_env)
         return self.api_key
+
+
+def parse_endpoint_address(address: str) -> tuple[str, int]:
+    """An endpoint as Envoy's ORIGINAL_DST cluster takes it: an IP literal and a port
+    ("10.0.0.5:8000", "[fd00::5]:8000"); never a host name, which Envoy would not resolve."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"endpoint {address!r} must be IP:PORT")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise ValueError(f"endpoint {address!r}: {host!r} is not an IP address") from None
+    if ip.version == 6 and not bracketed:
+        raise ValueError(f"endpoint {address!r}: write an IPv6 address in brackets")
+    return str(ip), int(port_text)
 
 
 class SentinelConfig(_Strict):

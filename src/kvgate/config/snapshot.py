@@ -46,6 +46,12 @@ class RuntimeSnapshot:
     auto_budget: frozenset[str] = frozenset()
     # backend -> its own API key, for backends that need one (never a tenant's key).
     upstream_keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # tenant -> (its priority class, the other classes it may ask for).
+    priorities: Mapping[str, tuple[int, frozenset[int]]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # Pools with a queue: their requests may wait for room.
+    queued_pools: frozenset[str] = frozenset()
 
 
 def _route(model: ModelConfig) -> ModelRoute:
@@ -123,6 +129,10 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
         upstream_keys=MappingProxyType(
             {b.name: key for b in config.backends if (key := b.upstream_api_key)}
         ),
+        priorities=MappingProxyType(
+            {t.name: (t.priority, frozenset(t.allowed_priorities)) for t in config.tenants}
+        ),
+        queued_pools=frozenset(b.name for b in config.backends if b.queue is not None),
     )
 
 

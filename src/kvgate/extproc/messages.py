@@ -173,3 +173,11 @@ def immediate_response(
     if dynamic_metadata:
         response.dynamic_metadata.CopyFrom(metadata(dynamic_metadata))
     return response
+
+
+def override_message_timeout(seconds: float) -> pb.ProcessingResponse:
+    """A reply that only moves Envoy's deadline for the message in hand (Envoy honours it
+    once per message, up to the filter's max_message_timeout)."""
+    reply = pb.ProcessingResponse()
+    reply.override_message_timeout.FromMilliseconds(round(seconds * 1000))
+    return reply

@@ -18,7 +18,9 @@ CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
 # Waiting cannot help these: a 400 naming the field, with no Retry-After.
 _TOO_LARGE = frozenset({Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM})
 # kvgate or what it depends on cannot decide now: 503 with Retry-After.
-_UNAVAILABLE = frozenset({Reason.STORE_UNAVAILABLE, Reason.CAPACITY_UNKNOWN})
+_UNAVAILABLE = frozenset(
+    {Reason.STORE_UNAVAILABLE, Reason.CAPACITY_UNKNOWN, Reason.NO_HEALTHY_ENDPOINT}
+)
 
 
 class Answer(enum.StrEnum):

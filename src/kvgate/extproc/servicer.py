@@ -29,6 +29,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         session = StreamSession(self._services, route=_route_settings(context))
         try:
             async for message in request_iterator:
+                if session.wants_interim(message):
+                    # The decision may wait in a pool's queue: Envoy first gets an
+                    # extension of its message deadline, then the reply.
+                    async for reply in session.handle_with_interim(message):
+                        yield reply
+                    continue
                 reply = await session.handle(message)
                 if reply is not None:
                     yield reply

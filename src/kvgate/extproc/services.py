@@ -20,6 +20,7 @@ from kvgate.lifecycle import (
     Settler,
     Ticket,
 )
+from kvgate.lifecycle.scheduler import PoolScheduler
 from kvgate.metrics import Metrics
 from kvgate.policy import Clock, Decision, SettleCause
 from kvgate.store import StateStore
@@ -50,7 +51,9 @@ class GatewayServices:
         tasks: BackgroundTasks,
         leases: LeaseKeeper,
         settler: Settler,
+        scheduler: PoolScheduler | None = None,
     ) -> None:
+        self.scheduler = scheduler
         self.snapshots = snapshots
         self.store = store
         self.tokenizers = tokenizers
@@ -71,6 +74,7 @@ class GatewayServices:
             capacity=self.capacity,
             record_violations=self.record_violations,
             track=self.track,
+            scheduler=self.scheduler,
         )
 
     def track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -106,6 +110,28 @@ class GatewayServices:
         for status in statuses:
             self.metrics.kv_tokens_in_flight.labels(status.name).set(status.kv_tokens_in_flight)
             self.metrics.requests_in_flight.labels(status.name).set(status.requests_in_flight)
+        if self.scheduler is not None:
+            self._refresh_pool_gauges(self.scheduler)
+
+    def _refresh_pool_gauges(self, scheduler: PoolScheduler) -> None:
+        m = self.metrics
+        for view in scheduler.pool_views():
+            states = {
+                "pickable": len(view.pickable),
+                "unhealthy": view.unhealthy,
+                "shedding": len(view.shedding),
+                "capacity_unknown": view.capacity_unknown,
+            }
+            for state, count in states.items():
+                m.pool_endpoints.labels(view.pool, state).set(count)
+            queue = scheduler.queue(view.pool)
+            if queue is not None:
+                for priority, waiting in queue.waiting_by_priority().items():
+                    m.queue_length.labels(view.pool, str(priority)).set(waiting)
+            for endpoint in view.pickable:
+                m.kv_budget_tokens.labels(endpoint.key).set(endpoint.limits.kv_budget_tokens)
+                # An endpoint with nothing in flight has no ledger in the store yet.
+                m.kv_tokens_in_flight.labels(endpoint.key)
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for settlements still running (shutdown)."""

@@ -14,12 +14,14 @@ only translates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import json
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -51,6 +53,11 @@ ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 PASSTHROUGH_PATHS = frozenset({"/v1/models"})
 USAGE_PATH = "/v1/kvgate/usage"
 HEADER_PREFIX = "x-kvgate-"
+# Where a pool request goes: the endpoint kvgate reserved on (Envoy's ORIGINAL_DST
+# cluster reads it with original_dst_lb_config.http_header_name).
+DESTINATION_HEADER = "x-kvgate-destination"
+# The priority class a request asks for in a pool's queue (allowed per tenant).
+PRIORITY_HEADER = "kvgate-priority"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
@@ -64,6 +71,9 @@ _OWS = " \t"
 # Tenant credentials: removed before a request goes upstream; a backend that needs a key
 # gets its own from kvgate's config.
 CREDENTIAL_HEADERS = ("authorization", "x-api-key")
+# Envoy's extended message deadline ends this long after kvgate's own, so a request that
+# waited its whole bound still gets kvgate's answer (429 + Retry-After), not an empty 504.
+QUEUE_DEADLINE_MARGIN_S = 1.0
 
 
 class Phase(enum.Enum):
@@ -149,6 +159,11 @@ class StreamSession:
         # here is touched.
         self._tracing = services.settler.tracing
         self._trace_parent: Context | None = None
+        # A pool's queue: the request's priority class, the decision deadline kvgate moves
+        # while it waits, and the extension for Envoy (see handle_with_interim).
+        self._priority = 0
+        self._deadline: asyncio.Timeout | None = None
+        self._interim: asyncio.Future[pb.ProcessingResponse] | None = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -281,9 +296,34 @@ class StreamSession:
                 api_errors.internal_error("kvgate is misconfigured: it cannot meter this request."),
                 Answer.INTERNAL_ERROR,
             )
+        priority = self._requested_priority(headers, tenant)
+        if isinstance(priority, ApiError):
+            return self._reject(priority, Answer.INVALID_REQUEST)
+        self._priority = priority
         self.phase = Phase.REQUEST_BODY
         return messages.continue_request_headers(
             {"x-kvgate-tenant": tenant}, [*forged, *CREDENTIAL_HEADERS]
+        )
+
+    def _requested_priority(self, headers: dict[str, str], tenant: str) -> int | ApiError:
+        """The request's class in a pool's queue: the tenant's own, or one of the classes
+        the operator allows it to ask for with the kvgate-priority header."""
+        own, allowed = self._snapshot.priorities.get(tenant, (0, frozenset()))
+        asked = headers.get(PRIORITY_HEADER)
+        if asked is None:
+            return own
+        text = asked.strip(_OWS)
+        if (
+            text.lstrip("-").isdigit()
+            and len(text) <= 4
+            and (int(text) in allowed or int(text) == own)
+        ):
+            return int(text)
+        return api_errors.invalid_request(
+            f"The {PRIORITY_HEADER} header asks for a priority class this key may not use "
+            f"(allowed: {', '.join(str(p) for p in sorted({own, *allowed}))}).",
+            PRIORITY_HEADER,
+            "invalid_value",
         )
 
     async def _usage_report(self, method: str, tenant: str) -> pb.ProcessingResponse:
@@ -321,7 +361,7 @@ class StreamSession:
         trace_start = time.time_ns() if self._tracing is not None else 0
         deadline = self._snapshot.config.server.decision_timeout_s
         try:
-            async with asyncio.timeout(deadline):
+            async with asyncio.timeout(deadline) as self._deadline:
                 reply = await self._admit(http.body)
         except _RouteRefusal as refusal:
             reply = self._reject(refusal.error, Answer.MODEL_NOT_ALLOWED_ON_ROUTE)
@@ -373,7 +413,12 @@ class StreamSession:
             # have access to it".
             raise _RouteRefusal(api_errors.model_not_found(request.model))
         ticket = await self._svc.admission(self._snapshot).admit(
-            request, self._tenant_policy, self.request_id, _admission_id(self.request_id)
+            request,
+            self._tenant_policy,
+            self.request_id,
+            _admission_id(self.request_id),
+            priority=self._priority,
+            on_queued=self._on_queued,
         )
         # Exact output counts need the usage event; when the client did not ask for it, the
         # response meter strips it again before the client sees it. An observing stream
@@ -397,13 +442,61 @@ class StreamSession:
             new_body = rewrite_body(
                 request.body, model=ticket.new_model, max_tokens=new_cap, force_usage=force_usage
             )
-        route_headers = {"x-kvgate-model": ticket.route.name, "x-kvgate-backend": ticket.backend}
-        upstream_key = self._snapshot.upstream_keys.get(ticket.backend)
+        route_headers = {"x-kvgate-model": ticket.route.name, "x-kvgate-backend": ticket.cluster}
+        if ticket.endpoint is not None:
+            # The pool's ORIGINAL_DST cluster connects to exactly this endpoint, the one
+            # holding the reservation (clients' x-kvgate-* never get this far).
+            route_headers[DESTINATION_HEADER] = ticket.endpoint
+        upstream_key = self._snapshot.upstream_keys.get(ticket.cluster)
         if upstream_key is not None:
             route_headers["authorization"] = f"Bearer {upstream_key}"
         return messages.continue_request_body(
             route_headers, new_body=new_body, dynamic_metadata=self._metadata("admitted")
         )
+
+    def _on_queued(self, max_wait_s: float) -> None:
+        """The request waits in its pool's queue: move kvgate's own decision deadline and
+        ask Envoy (override_message_timeout, up to the filter's max_message_timeout) to
+        wait as long, so neither answers with a timeout while the request is in line."""
+        server = self._snapshot.config.server
+        budget = max_wait_s + server.decision_timeout_s
+        if self._deadline is not None:
+            self._deadline.reschedule(asyncio.get_running_loop().time() + budget)
+        interim = self._interim
+        if interim is not None and not interim.done():
+            interim.set_result(messages.override_message_timeout(budget + QUEUE_DEADLINE_MARGIN_S))
+
+    def wants_interim(self, message: pb.ProcessingRequest) -> bool:
+        """Whether this message's decision may wait in a pool's queue, so that the servicer
+        must be able to send Envoy a message-timeout extension before the reply."""
+        return (
+            self.phase is Phase.REQUEST_BODY
+            and bool(self._snapshot.queued_pools)
+            and message.WhichOneof("request") == "request_body"
+        )
+
+    async def handle_with_interim(
+        self, message: pb.ProcessingRequest
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        """handle(), but yield the message-timeout extension first if the request queues."""
+        interim: asyncio.Future[pb.ProcessingResponse] = asyncio.get_running_loop().create_future()
+        self._interim = interim
+        task = asyncio.ensure_future(self.handle(message))
+        try:
+            await asyncio.wait({task, interim}, return_when=asyncio.FIRST_COMPLETED)
+            if interim.done() and not task.done():
+                yield interim.result()
+            reply = await task
+            if reply is not None:
+                yield reply
+        finally:
+            self._interim = None
+            if not task.done():
+                # The stream went away while the request waited: leave the queue now (the
+                # admission's own cancel handling releases whatever it reserved).
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
         if len(body) <= PARSE_OFF_LOOP_BYTES:
@@ -571,7 +664,9 @@ class StreamSession:
         if ticket is not None:
             # After a budget fallback this is the model that really served the request.
             meta["model"] = ticket.model
-            meta["backend"] = ticket.backend
+            meta["backend"] = ticket.cluster
+            if ticket.endpoint is not None:
+                meta["endpoint"] = ticket.endpoint
             meta["reserved_tokens"] = ticket.reservation.kv_tokens
             meta[METADATA_KEY] = ticket.reservation.reservation_id
             meta["prompt_tokens"] = ticket.prompt_tokens

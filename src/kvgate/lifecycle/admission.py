@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config.snapshot import ModelRoute, RuntimeSnapshot
+from kvgate.lifecycle.scheduler import PoolScheduler, PoolUnavailable
 from kvgate.lifecycle.ticket import Ticket
 from kvgate.openai import ParsedRequest
 from kvgate.openai.requests import PromptBound, prompt_lower_bound
@@ -133,7 +134,11 @@ class Admission:
         capacity: CapacityRegistry,
         record_violations: Callable[[str, Decision], None],
         track: Callable[[Coroutine[Any, Any, None]], Any],
+        scheduler: PoolScheduler | None = None,
     ) -> None:
+        self._scheduler = scheduler
+        self._priority = 0
+        self._on_queued: Callable[[float], None] | None = None
         self._snapshot = snapshot
         self._store = store
         self._tokenizers = tokenizers
@@ -142,10 +147,21 @@ class Admission:
         self._track = track
 
     async def admit(
-        self, request: ParsedRequest, tenant: TenantPolicy, request_id: str, admission_id: str
+        self,
+        request: ParsedRequest,
+        tenant: TenantPolicy,
+        request_id: str,
+        admission_id: str,
+        *,
+        priority: int = 0,
+        on_queued: Callable[[float], None] | None = None,
     ) -> Ticket:
         """A ticket for the admitted request, or `Rejected`. `admission_id` keys the
-        reservation in the store (unique per request); `request_id` is the client's."""
+        reservation in the store (unique per request); `request_id` is the client's.
+        `priority` is its class in a pool's queue; `on_queued(max_wait_s)` is called when
+        it starts waiting there (the adapter extends its deadlines)."""
+        self._priority = priority
+        self._on_queued = on_queued
         route = self._snapshot.models.get(request.model)
         if route is None:
             raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, request.model, param="model"))
@@ -153,9 +169,9 @@ class Admission:
         # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
         slot_taken = await self._reject_early(request, tenant, route, admission_id, False)
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision = await self._reserve(request, tenant, sized, admission_id, slot_taken)
+        decision, endpoint = await self._reserve(request, tenant, sized, admission_id, slot_taken)
         if decision.admitted:
-            return self._ticket(decision, sized, request, request_id)
+            return self._ticket(decision, sized, request, request_id, endpoint=endpoint)
         if decision.reason is Reason.BUDGET_EXCEEDED:
             if tenant.budget_action is BudgetAction.CLAMP:
                 clamped = await self._clamp(
@@ -187,7 +203,7 @@ class Admission:
         flood of large bodies is cut at RPM before any of it is tokenized.
 
         Returns whether the request's RPM slot is taken now (its reserve must not take it)."""
-        limits = self._backend_limits(route.backend)
+        limits = self._precheck_limits(route.backend)
         sequences = request.num_sequences
         max_new = request.max_new_tokens or 1
         bound = self._prompt_lower_bound(request, route.name)
@@ -331,7 +347,9 @@ class Admission:
         sized: _Sized,
         admission_id: str,
         slot_taken: bool,
-    ) -> Decision:
+    ) -> tuple[Decision, str | None]:
+        """Reserve on the route's backend, or on one endpoint of its pool. Returns the
+        decision and, for a pool, the endpoint's address."""
         sequences = request.num_sequences
         admission = AdmissionRequest(
             request_id=admission_id,
@@ -347,7 +365,38 @@ class Admission:
             # A rejected reserve gives no slot back: the request was made (and counted).
             request_slot_taken=slot_taken,
         )
-        limits = self._backend_limits(sized.route.backend)
+        scheduler = self._scheduler
+        if scheduler is None or not scheduler.is_pool(sized.route.backend):
+            limits = self._backend_limits(sized.route.backend)
+            return await self._reserve_on(admission, limits, tenant), None
+
+        async def reserve_on(request: AdmissionRequest, limits: BackendLimits) -> Decision:
+            return await self._reserve_on(request, limits, tenant)
+
+        try:
+            placement = await scheduler.place(
+                admission,
+                request,
+                tenant,
+                priority=self._priority,
+                reserve_on=reserve_on,
+                on_queued=self._on_queued,
+            )
+        except PoolUnavailable as unavailable:
+            raise Rejected(
+                Rejection(
+                    unavailable.reason,
+                    unavailable.detail,
+                    retry_after_s=unavailable.retry_after_s,
+                )
+            ) from None
+        endpoint = placement.endpoint
+        return placement.decision, endpoint.address if endpoint is not None else None
+
+    async def _reserve_on(
+        self, admission: AdmissionRequest, limits: BackendLimits, tenant: TenantPolicy
+    ) -> Decision:
+        """One atomic reserve in the store; a reserve whose answer is lost is abandoned."""
         store = self._store
         try:
             decision = await store.reserve(admission, limits, tenant)
@@ -370,6 +419,18 @@ class Admission:
             ) from None
         self._record_violations(tenant.name, decision)
         return decision
+
+    def _precheck_limits(self, backend: str) -> BackendLimits:
+        scheduler = self._scheduler
+        if scheduler is None or not scheduler.is_pool(backend):
+            return self._backend_limits(backend)
+        limits = scheduler.limits_for_precheck(backend)
+        if limits is None:
+            # Nothing pickable now: the placement answers why (none healthy, budget
+            # unknown, all shedding), with the queue where there is one. The pre-check
+            # only needs some ledger to time the tenant's own concurrency.
+            return self._snapshot.backends[backend]
+        return limits
 
     def _backend_limits(self, backend: str) -> BackendLimits:
         """The backend's limits now: a discovered budget, and no admission under pressure."""
@@ -406,6 +467,7 @@ class Admission:
         *,
         fallback_from: str | None = None,
         clamped_from: int | None = None,
+        endpoint: str | None = None,
     ) -> Ticket:
         assert decision.reservation is not None
         return Ticket(
@@ -419,6 +481,7 @@ class Admission:
             rate_limits=decision.rate_limits,
             fallback_from=fallback_from,
             clamped_from=clamped_from,
+            endpoint=endpoint,
         )
 
     async def _clamp(
@@ -441,10 +504,17 @@ class Admission:
         if affordable < 1 or affordable >= sized.max_new_tokens:
             return None
         smaller = _Sized(sized.route, sized.prompt_tokens, affordable)
-        retry = await self._reserve(request, tenant, smaller, admission_id, slot_taken)
+        retry, endpoint = await self._reserve(request, tenant, smaller, admission_id, slot_taken)
         if not retry.admitted:
             return None
-        return self._ticket(retry, smaller, request, request_id, clamped_from=sized.max_new_tokens)
+        return self._ticket(
+            retry,
+            smaller,
+            request,
+            request_id,
+            clamped_from=sized.max_new_tokens,
+            endpoint=endpoint,
+        )
 
     async def _fall_back(
         self,
@@ -463,10 +533,12 @@ class Admission:
         # scope, if any, is then not charged: the client asked for the first model).
         slot_taken = await self._reject_early(request, tenant, route, admission_id, slot_taken)
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision = await self._reserve(request, tenant, sized, admission_id, slot_taken)
+        decision, endpoint = await self._reserve(request, tenant, sized, admission_id, slot_taken)
         if not decision.admitted:
             return None
-        return self._ticket(decision, sized, request, request_id, fallback_from=request.model)
+        return self._ticket(
+            decision, sized, request, request_id, fallback_from=request.model, endpoint=endpoint
+        )
 
 
 def _prompt_param(request: ParsedRequest) -> str:

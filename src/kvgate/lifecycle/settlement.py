@@ -38,7 +38,10 @@ class Settler:
         leases: LeaseKeeper,
         track: Track,
         tracing: Tracing | None = None,
+        on_released: Callable[[Ticket, ActualUsage], None] | None = None,
     ) -> None:
+        # Told once a settlement freed its reservation (a pool's queue gets a turn).
+        self._on_released = on_released
         self._store = store
         self._snapshots = snapshots
         self._metrics = metrics
@@ -115,6 +118,11 @@ class Settler:
             return "failed"
         if not settlement.applied:
             return "duplicate"
+        if self._on_released is not None:
+            try:
+                self._on_released(ticket, usage)
+            except Exception:
+                log.exception("release hook failed", extra={"request_id": ticket.request_id})
         m = self._metrics
         if settlement.lease_expired:
             m.late_settlements.labels(request.backend).inc()

@@ -34,6 +34,9 @@ class Ticket:
     # kvgate asked the engine for the usage event the client did not ask for, so the
     # response meter strips it again.
     usage_injected: bool = False
+    # A pool's endpoint (IP:PORT) the request was placed on: Envoy's destination. None for
+    # a backend that is one Envoy cluster.
+    endpoint: str | None = None
 
     @property
     def tenant(self) -> str:
@@ -46,7 +49,14 @@ class Ticket:
 
     @property
     def backend(self) -> str:
+        """The KV ledger the reservation holds: the backend, or a pool's endpoint
+        (`pool/IP:PORT`)."""
         return self.reservation.request.backend
+
+    @property
+    def cluster(self) -> str:
+        """The Envoy cluster the request is routed to (the configured backend's name)."""
+        return self.route.backend
 
     @property
     def pricing(self) -> Pricing:

@@ -211,6 +211,42 @@ class Metrics:
             "Settlements dropped because the queue waiting for the shared store was full.",
             registry=r,
         )
+        # Pools (several endpoints per backend) and their queues. `endpoint` values come
+        # from the pool's static list or DNS: bounded by the pool's size.
+        self.pool_picks = Counter(
+            "kvgate_pool_picks",
+            "Requests placed on a pool endpoint, by whether a remembered prompt prefix "
+            "chose it (affinity: hit) or load alone (miss).",
+            ["pool", "endpoint", "affinity"],
+            registry=r,
+        )
+        self.pool_endpoints = Gauge(
+            "kvgate_pool_endpoints",
+            "Endpoints of a pool by state: pickable, unhealthy (failed or stale checks), "
+            "shedding (back-pressure), capacity_unknown.",
+            ["pool", "state"],
+            registry=r,
+        )
+        self.queue_length = Gauge(
+            "kvgate_queue_length",
+            "Requests waiting for room in a pool, by priority class.",
+            ["pool", "priority"],
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "kvgate_queue_wait_seconds",
+            "Time a request waited in its pool's queue before it was admitted.",
+            ["pool", "tenant", "priority"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30),
+            registry=r,
+        )
+        self.queue_drops = Counter(
+            "kvgate_queue_drops",
+            "Requests that left a pool's queue without admission: queue_full, "
+            "tenant_queue_full, wait_expired, disconnected, error.",
+            ["pool", "tenant", "reason"],
+            registry=r,
+        )
 
 
 class CountingSource(Protocol):

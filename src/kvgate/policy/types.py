@@ -40,6 +40,11 @@ class Reason(enum.StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"
     # The tenant already has too much prompt counting queued.
     COUNTING_BUSY = "counting_busy"
+    # No endpoint of the request's pool is healthy (503).
+    NO_HEALTHY_ENDPOINT = "no_healthy_endpoint"
+    # The pool's queue is full, or a queued request found no room within its wait bound.
+    QUEUE_FULL = "queue_full"
+    QUEUE_WAIT_EXPIRED = "queue_wait_expired"
     # A reserve for a request that was abandoned (its first answer was lost).
     ABANDONED = "abandoned"
 

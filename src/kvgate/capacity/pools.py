@@ -1,0 +1,268 @@
+"""Pools: a backend served by several vLLM endpoints, each with its own KV budget.
+
+Membership is a static list or comes from DNS (a Kubernetes headless Service resolves to one
+address per ready pod), refreshed on an interval. Each endpoint is scraped on its own
+(`discovery.metrics_url` with `{endpoint}`) for its KV budget (`kv_budget_tokens: auto`),
+its back-pressure readings and its health. An endpoint whose last scrape failed, or whose
+readings are older than `max_staleness_s`, is not picked; a pool without discovery trusts
+its static list. Admission never halts on stale metrics: kvgate's own reservations are
+what it admits against, the readings only steer which endpoint is tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvgate.capacity.backpressure import BackpressurePolicy, BackpressureVerdict
+from kvgate.capacity.discovery import CapacityMonitor
+from kvgate.config.model import BackendConfig, KvgateConfig, parse_endpoint_address
+from kvgate.policy import BackendLimits
+
+log = logging.getLogger("kvgate.pools")
+
+
+def endpoint_key(pool: str, address: str) -> str:
+    """The store's name for one endpoint's KV ledger: unique across pools."""
+    return f"{pool}/{address}"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEndpoint:
+    pool: str
+    # What Envoy's ORIGINAL_DST cluster connects to (x-kvgate-destination).
+    address: str
+    key: str
+    limits: BackendLimits
+    # The engine's own queue, when a fresh reading has it (the picker weighs it).
+    waiting: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """A pool's endpoints at one moment: those that may be picked, and why others may not."""
+
+    pool: str
+    pickable: tuple[PoolEndpoint, ...]
+    members: int
+    unhealthy: int
+    shedding: tuple[tuple[str, BackpressureVerdict], ...]
+    # Endpoints whose automatic KV budget was never read.
+    capacity_unknown: int
+
+
+class _Pool:
+    """One pool's members and their monitors."""
+
+    def __init__(self, settings: BackendConfig, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self._clock = clock
+        self.addresses: tuple[str, ...] = tuple(settings.endpoints or ())
+        self.monitors: dict[str, CapacityMonitor] = {}
+        # Discovered budgets stay in force while a scrape is briefly stale (a GPU's block
+        # count changes only when its engine restarts).
+        self.known_budget: dict[str, tuple[int, int]] = {}
+        self.backpressure = (
+            BackpressurePolicy(
+                max_kv_cache_usage=settings.backpressure.max_kv_cache_usage,
+                max_requests_waiting=settings.backpressure.max_requests_waiting,
+            )
+            if settings.backpressure is not None
+            else None
+        )
+        self._resolver: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        discovery = self.settings.endpoint_discovery
+        if discovery is not None:
+            await self._resolve_once()
+            self._resolver = asyncio.create_task(
+                self._resolve_forever(discovery.refresh_s), name=f"pool-dns {self.settings.name}"
+            )
+        await self._sync_monitors()
+
+    async def stop(self) -> None:
+        if self._resolver is not None:
+            self._resolver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resolver
+            self._resolver = None
+        for monitor in self.monitors.values():
+            await monitor.stop()
+        self.monitors.clear()
+
+    async def _resolve_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                if await self._resolve_once():
+                    await self._sync_monitors()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a resolver hiccup keeps the last membership
+                log.exception("pool %s: refreshing endpoints failed", self.settings.name)
+
+    async def _resolve_once(self) -> bool:
+        """Refresh membership from DNS; True when it changed. A failed lookup keeps the
+        last known members: an empty answer from a flapping resolver must not empty the
+        pool."""
+        discovery = self.settings.endpoint_discovery
+        assert discovery is not None
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(
+                discovery.dns_name, discovery.port, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            log.warning(
+                "pool %s: resolving %s failed: %s", self.settings.name, discovery.dns_name, exc
+            )
+            return False
+        found = sorted(
+            {
+                f"[{info[4][0]}]:{discovery.port}"
+                if info[0] == socket.AF_INET6
+                else f"{info[4][0]}:{discovery.port}"
+                for info in infos
+            }
+        )
+        if not found or tuple(found) == self.addresses:
+            return False
+        log.info("pool %s: endpoints now %s", self.settings.name, ", ".join(found))
+        self.addresses = tuple(found)
+        return True
+
+    async def _sync_monitors(self) -> None:
+        discovery = self.settings.discovery
+        if discovery is None:
+            return
+        wanted = set(self.addresses)
+        for address in list(self.monitors):
+            if address not in wanted:
+                await self.monitors.pop(address).stop()
+                self.known_budget.pop(address, None)
+        fresh: list[CapacityMonitor] = []
+        for address in self.addresses:
+            if address in self.monitors:
+                continue
+            monitor = CapacityMonitor(
+                discovery.metrics_url.replace("{endpoint}", address),
+                model_name=discovery.model_name,
+                interval_s=discovery.interval_s,
+                timeout_s=discovery.timeout_s,
+                max_staleness_s=discovery.max_staleness_s,
+                clock=self._clock,
+            )
+            self.monitors[address] = monitor
+            fresh.append(monitor)
+        # First readings of new members in parallel: a budget at once when they are up.
+        await asyncio.gather(*(monitor.poll_once() for monitor in fresh))
+        for monitor in fresh:
+            await monitor.start()
+
+    def view(self, now: float) -> PoolView:
+        settings = self.settings
+        pickable: list[PoolEndpoint] = []
+        unhealthy = unknown = 0
+        shedding: list[tuple[str, BackpressureVerdict]] = []
+        for address in self.addresses:
+            key = endpoint_key(settings.name, address)
+            monitor = self.monitors.get(address)
+            reading = None
+            if monitor is not None:
+                reading = monitor.latest(now)
+                # The last scrape failed, or nothing fresh: the endpoint is presumed down.
+                if reading is None or monitor.consecutive_failures > 0:
+                    unhealthy += 1
+                    continue
+            budget, block = settings.kv_budget_tokens, settings.kv_block_size
+            if budget == "auto":
+                if reading is not None and reading.kv_capacity_tokens and reading.block_size:
+                    self.known_budget[address] = (reading.kv_capacity_tokens, reading.block_size)
+                known = self.known_budget.get(address)
+                if known is None:
+                    unknown += 1
+                    continue
+                budget, block = known
+            if self.backpressure is not None:
+                verdict = self.backpressure.evaluate(reading)
+                if verdict.shed:
+                    shedding.append((key, verdict))
+                    continue
+            pickable.append(
+                PoolEndpoint(
+                    pool=settings.name,
+                    address=address,
+                    key=key,
+                    limits=BackendLimits(
+                        name=key,
+                        kv_budget_tokens=int(budget),
+                        kv_block_size=block,
+                        max_concurrent_requests=settings.max_concurrent_requests,
+                    ),
+                    waiting=reading.num_requests_waiting if reading is not None else None,
+                )
+            )
+        return PoolView(
+            pool=settings.name,
+            pickable=tuple(pickable),
+            members=len(self.addresses),
+            unhealthy=unhealthy,
+            shedding=tuple(shedding),
+            capacity_unknown=unknown,
+        )
+
+
+class PoolRegistry:
+    """Every pool's live membership and per-endpoint readings."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._pools: dict[str, _Pool] = {}
+
+    async def sync(self, config: KvgateConfig) -> None:
+        """Start, restart or stop pools to match the configuration (start-up, reload)."""
+        wanted = {b.name: b for b in config.backends if b.is_pool}
+        for name in list(self._pools):
+            if name not in wanted or _restart_needed(self._pools[name].settings, wanted[name]):
+                await self._pools.pop(name).stop()
+        for name, settings in wanted.items():
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = _Pool(settings, self._clock)
+                self._pools[name] = pool
+                await pool.start()
+            else:
+                pool.settings = settings  # limits, picking and queue apply to new work
+
+    def is_pool(self, backend: str) -> bool:
+        return backend in self._pools
+
+    def view(self, pool: str) -> PoolView:
+        return self._pools[pool].view(self._clock())
+
+    def members(self, pool: str) -> Sequence[str]:
+        return self._pools[pool].addresses
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            await pool.stop()
+        self._pools.clear()
+
+
+def _restart_needed(old: BackendConfig, new: BackendConfig) -> bool:
+    """Membership sources or scraping changed: rebuild the pool (its monitors)."""
+    return (
+        old.endpoints != new.endpoints
+        or old.endpoint_discovery != new.endpoint_discovery
+        or old.discovery != new.discovery
+        or old.backpressure != new.backpressure
+    )
+
+
+__all__ = ["PoolEndpoint", "PoolRegistry", "PoolView", "endpoint_key", "parse_endpoint_address"]
