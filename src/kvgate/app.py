@@ -26,7 +26,7 @@ from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.handoff import HandoffRegistry
 from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler, Ticket
 from kvgate.lifecycle.leases import renew_interval_s
-from kvgate.lifecycle.scheduler import PoolScheduler, QueueMetrics
+from kvgate.lifecycle.scheduler import PoolScheduler
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.definitions import CountingCollector
@@ -106,7 +106,7 @@ class KvgateServer:
             self.pools,
             self.store.backend_status,
             shared_store=config.uses_redis,
-            observer=QueueMetrics(self.metrics),
+            metrics=self.metrics,
         )
         tasks = BackgroundTasks()
         leases = LeaseKeeper(

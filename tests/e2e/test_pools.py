@@ -70,7 +70,12 @@ def _pool_stack(**backend: Any) -> Stack:
             }
         ],
         pool_replicas={POOL: REPLICAS},
-        sim=SimOptions(num_gpu_blocks=BLOCKS, block_size=BLOCK),
+        # vLLM's own default: automatic prefix caching; usage reports cached tokens.
+        sim=SimOptions(
+            num_gpu_blocks=BLOCKS,
+            block_size=BLOCK,
+            extra_args=["--enable-prefix-caching", "--enable-prompt-tokens-details"],
+        ),
     )
 
 
@@ -163,14 +168,22 @@ def test_the_destination_is_the_endpoint_that_holds_the_reservation(
     client's own x-kvgate-destination (aimed at kvgate's own metrics port) changes nothing."""
     for name in _replicas(stack):
         sim_reset(stack, name)
-    before = len(stack.access_log())
     forged = {"x-kvgate-destination": f"127.0.0.1:{stack.kvgate_http_port}"}
     answers = [
-        _chat(stack, document_messages(counter, 200, f"dest-{i}"), max_tokens=8, headers=forged)
+        _chat(
+            stack,
+            document_messages(counter, 200, f"dest-{i}"),
+            max_tokens=8,
+            headers={**forged, "x-request-id": f"destination-{i}"},
+        )
         for i in range(6)
     ]
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
-    entries = wait_until(lambda: stack.access_log()[before:], lambda e: len(e) >= 6, timeout=5)
+    entries = wait_until(
+        lambda: [e for e in stack.access_log() if e["request_id"].startswith("destination-")],
+        lambda e: len(e) >= 6,
+        timeout=5,
+    )
     # Envoy connected to exactly the endpoint kvgate reserved on.
     assert all(e["upstream_host"] == e["endpoint"] for e in entries), entries
     endpoints = collections.Counter(e["endpoint"] for e in entries)
@@ -301,3 +314,65 @@ def test_a_priority_class_the_tenant_may_not_use_is_refused(stack: Stack) -> Non
     )
     error = assert_openai_error(answer, 400, code="invalid_value")
     assert error["param"] == "kvgate-priority"
+
+
+def _system_chat(system: str, question: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def _long_system_prompt(counter: PromptCounter, tag: str, tokens: int) -> str:
+    words = document_messages(counter, tokens, tag)[0]["content"]
+    return f"You are assistant {tag}. Reference material follows.\n{words}"
+
+
+def test_requests_sharing_a_system_prompt_go_where_it_is_cached(
+    stack: Stack, counter: PromptCounter
+) -> None:
+    """Three tenants' long system prompts (here: three prompts of one tenant), requests
+    interleaved: each prompt's requests all land on one replica, and every one after the
+    first is served from that replica's prefix cache (the engine's own cached_tokens)."""
+    systems = {tag: _long_system_prompt(counter, tag, 1_500) for tag in ("alpha", "beta", "gamma")}
+    cached: dict[str, list[int]] = collections.defaultdict(list)
+    for round_ in range(4):
+        for tag, system in systems.items():
+            answer = _chat(
+                stack, _system_chat(system, f"Question {round_} about {tag}?"), max_tokens=8
+            )
+            assert answer.status_code == 200, answer.text
+            details = answer.json()["usage"].get("prompt_tokens_details") or {}
+            cached[tag].append(int(details.get("cached_tokens") or 0))
+    entries = wait_until(
+        lambda: [e for e in stack.access_log() if e["request_id"].startswith("affinity-")],
+        lambda e: len(e) >= 12,
+        timeout=5,
+    )
+    by_prompt: dict[str, set[str]] = collections.defaultdict(set)
+    for entry in entries:
+        by_prompt[entry["request_id"].split("-")[1]].add(entry["endpoint"])
+    assert all(len(endpoints) == 1 for endpoints in by_prompt.values()), by_prompt
+    for tag, hits in cached.items():
+        # The first request of a prompt may find nothing cached; every later one reuses
+        # (nearly) the whole system prompt: at least 1,400 of its ~1,500 tokens.
+        assert all(hit >= 1_400 for hit in hits[1:]), (tag, hits)
+    samples = kvgate_metrics(stack)
+    assert samples.total("kvgate_pool_picks_total", pool=POOL, affinity="hit") >= 9
+
+
+def test_affinity_never_piles_one_prompt_onto_one_pod(stack: Stack, counter: PromptCounter) -> None:
+    """A burst that shares one long prefix fills every endpoint (the load gate), instead of
+    queueing or refusing behind the endpoint that caches it."""
+    for name in _replicas(stack):
+        sim_reset(stack, name)
+    system = _long_system_prompt(counter, "hot", PROMPT - 60)
+    slow = {"x-sim-output-tokens": "40", "x-sim-itl-ms": "50"}
+    burst = PER_ENDPOINT * REPLICAS
+    with ThreadPoolExecutor(burst) as pool:
+        answers = list(
+            pool.map(
+                lambda i: _chat(stack, _system_chat(system, f"q{i}"), headers=slow),
+                range(burst),
+            )
+        )
+    assert [a.status_code for a in answers] == [200] * burst, [a.text for a in answers]
+    served = _served_per_replica(stack)
+    assert sorted(served.values()) == [PER_ENDPOINT] * REPLICAS, served

@@ -114,9 +114,11 @@ class PoolScheduler:
         backend_status: Callable[[], Awaitable[list[BackendStatus]]],
         *,
         shared_store: bool,
-        observer: QueueObserver | None = None,
+        metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._metrics = metrics
+        observer: QueueObserver | None = QueueMetrics(metrics) if metrics is not None else None
         self._pools = pools
         self._backend_status = backend_status
         self._status_ttl_s = SHARED_STATUS_TTL_S if shared_store else 0.0
@@ -259,6 +261,12 @@ class PoolScheduler:
     def _admitted(self, placement: Placement, pool: str, tenant: str) -> Placement:
         decision = placement.decision
         if decision.admitted and decision.reservation is not None:
+            if self._metrics is not None and placement.endpoint is not None:
+                self._metrics.pool_picks.labels(
+                    pool,
+                    placement.endpoint.address,
+                    "hit" if placement.affinity_blocks else "miss",
+                ).inc()
             queue = self._queues.get(pool)
             if queue is not None:
                 request = decision.reservation.request
