@@ -439,6 +439,8 @@ def test_sidecar_with_kvgate_down_serves_only_the_unmetered_gets(tmp_path: Path)
         (listener,) = config["static_resources"]["listeners"]
         listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
         for cluster in config["static_resources"]["clusters"]:
+            if cluster["type"] == "ORIGINAL_DST":  # envoy/envoy.yaml's pool: no endpoints
+                continue
             endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
             port = backend.server_address[1] if cluster["name"] == "vllm-local" else free_port()
             endpoint["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": port}

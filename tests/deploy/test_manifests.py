@@ -40,6 +40,8 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvgate.config import parse_config
+from kvgate.config.model import QueueConfig, ServerConfig
+from kvgate.extproc.session import QUEUE_DEADLINE_MARGIN_S
 from kvgate.metrics import Metrics
 from testbed.harness import (
     ENVOY_CONFIG,
@@ -211,10 +213,25 @@ def assert_valid_envoy(config: dict[str, Any], tmp_path: Path, name: str) -> Non
     assert "Deprecated field" not in output, output
 
 
+def queue_deadline_bound_s() -> float:
+    """The longest message deadline kvgate asks Envoy for: the largest queue wait its config
+    accepts, the default decision timeout and kvgate's margin."""
+    wait_bound = next(
+        m.le for m in QueueConfig.model_fields["max_wait_s"].metadata if getattr(m, "le", None)
+    )
+    decision = ServerConfig.model_fields["decision_timeout_s"].default
+    return float(wait_bound) + float(decision) + QUEUE_DEADLINE_MARGIN_S
+
+
 def check_ext_proc(config: dict[str, Any], where: str) -> None:
     """The admission-critical settings, whatever else differs."""
     assert config["failure_mode_allow"] is False, f"{where}: must fail closed"
     assert duration_s(config["message_timeout"]) >= 1.0, f"{where}: message_timeout < 1 s"
+    # A pool's queue extends the deadline with override_message_timeout; Envoy ignores it
+    # beyond max_message_timeout (0, the default: always).
+    assert duration_s(config.get("max_message_timeout", "0s")) >= queue_deadline_bound_s(), (
+        f"{where}: max_message_timeout below the longest queue wait kvgate may ask for"
+    )
     mode = config["processing_mode"]
     assert mode["request_header_mode"] == "SEND", where
     assert mode["request_body_mode"] == "BUFFERED", where
@@ -570,6 +587,8 @@ def sidecar_bootstrap_on_loopback() -> tuple[dict[str, Any], int, int, int]:
         socket["address"] = "127.0.0.1"
         socket["port_value"] = ingress if listener["name"] == "ingress" else readiness
     for cluster in bootstrap["static_resources"]["clusters"]:
+        if cluster["type"] == "ORIGINAL_DST":  # a pool: hosts come from x-kvgate-destination
+            continue
         endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         socket = endpoint["address"]["socket_address"]
         if cluster["name"] == "envoy_admin":
