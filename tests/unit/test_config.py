@@ -58,6 +58,15 @@ def _mutated(path: list, value) -> dict:
         (["server", "grpc_listen"], "50051", "server.grpc_listen"),
         (["server", "unknown_field"], 1, "server.unknown_field: Extra inputs"),
         (["store"], "postgres", "store"),
+        # Pools: Envoy's ORIGINAL_DST cluster takes IP:PORT only, never a host name.
+        (["backends", 0, "endpoints"], ["vllm-0:8000"], "is not an IP address"),
+        (["backends", 0, "endpoints"], ["10.0.0.1"], "must be IP:PORT"),
+        (["backends", 0, "endpoints"], ["fd00::1:8000"], "IPv6 address in brackets"),
+        (["backends", 0, "endpoints"], ["10.0.0.1:8000", "10.0.0.1:8000"], "twice"),
+        (["backends", 0, "endpoints"], [], "at least one"),
+        (["backends", 0, "queue"], {"max_wait_s": 5}, "queue needs a pool"),
+        (["backends", 0, "queue"], {"max_wait_s": 60}, "backends.0.queue.max_wait_s"),
+        (["tenants", 0, "priority"], 1000, "tenants.0.priority"),
     ],
 )
 def test_errors_name_the_field(path: list, value, expected: str) -> None:
@@ -118,3 +127,23 @@ def test_cli_check_config_and_hash_key(tmp_path: Path) -> None:
         check=True,
     )
     assert hashed.stdout.strip() == hash_api_key("sk-kvgate-demo")
+
+
+def test_a_pool_scrapes_each_endpoint_and_its_template_is_checked() -> None:
+    pool = {
+        "name": "vllm-local",
+        "kv_budget_tokens": "auto",
+        "endpoints": ["10.0.0.1:8000", "[fd00::2]:8000"],
+        "discovery": {"metrics_url": "http://vllm:8000/metrics"},
+    }
+    data = base()
+    data["backends"] = [pool]
+    with pytest.raises(ConfigError, match=r"must contain \{endpoint\}"):
+        parse_config(data)
+    pool["discovery"] = {"metrics_url": "http://{endpoint}/metrics"}
+    config = parse_config(data)
+    assert config.backends[0].is_pool
+    assert compile_snapshot(config).queued_pools == frozenset()
+    pool["endpoint_discovery"] = {"dns_name": "vllm.ns.svc", "port": 8000}
+    with pytest.raises(ConfigError, match="endpoints or endpoint_discovery, not both"):
+        parse_config(data)

@@ -20,12 +20,14 @@ def test_settings_are_read_and_other_metadata_ignored() -> None:
             ("x-kvgate-route", "team-a"),
             ("X-Kvgate-Route-Models", "qwen2.5-demo, small-model"),
             ("x-kvgate-route-tenants", b"team-a"),
+            ("x-kvgate-route-priority", " -5 "),
         ]
     )
     assert settings == RouteSettings(
         name="team-a",
         models=frozenset({"qwen2.5-demo", "small-model"}),
         tenants=frozenset({"team-a"}),
+        priority=-5,
     )
     assert settings.allows_model("small-model") and not settings.allows_model("big-model")
     assert settings.allows_tenant("team-a") and not settings.allows_tenant("team-b")
@@ -46,6 +48,9 @@ def test_no_settings_restrict_nothing() -> None:
         ([("x-kvgate-route-models", "a,,b")], "x-kvgate-route-models"),
         ([("x-kvgate-route-tenants", "team a")], "x-kvgate-route-tenants"),
         ([("x-kvgate-route", "bad name!")], "x-kvgate-route"),
+        ([("x-kvgate-route-priority", "high")], "x-kvgate-route-priority"),
+        ([("x-kvgate-route-priority", "101")], "x-kvgate-route-priority"),
+        ([("x-kvgate-route-priority", "1e3")], "x-kvgate-route-priority"),
         (
             [("x-kvgate-route-tenants", ",".join(f"t{i}" for i in range(300)))],
             "x-kvgate-route-tenants",

@@ -11,6 +11,7 @@ initial metadata of the stream Envoy opens to kvgate:
             - { key: x-kvgate-route, value: team-a }
             - { key: x-kvgate-route-models, value: "qwen2.5-demo, small-model" }
             - { key: x-kvgate-route-tenants, value: team-a }
+            - { key: x-kvgate-route-priority, value: "10" }  # class in a pool's queue
 
 Envoy merges the override of the route a request first matches (before kvgate's decision
 re-routes it), so the settings belong on the routes that match requests on their way in.
@@ -29,7 +30,10 @@ PREFIX = "x-kvgate-route"
 NAME_KEY = PREFIX
 MODELS_KEY = f"{PREFIX}-models"
 TENANTS_KEY = f"{PREFIX}-tenants"
-KNOWN_KEYS = frozenset({NAME_KEY, MODELS_KEY, TENANTS_KEY})
+# The priority class of the route's requests in a pool's queue (instead of the tenant's).
+PRIORITY_KEY = f"{PREFIX}-priority"
+KNOWN_KEYS = frozenset({NAME_KEY, MODELS_KEY, TENANTS_KEY, PRIORITY_KEY})
+_PRIORITY = re.compile(r"^-?[0-9]{1,3}$")
 # The same shape as names in kvgate's config (models, tenants).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _MAX_LIST = 256
@@ -51,6 +55,7 @@ class RouteSettings:
     name: str = ""
     models: frozenset[str] | None = None
     tenants: frozenset[str] | None = None
+    priority: int | None = None
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -85,7 +90,17 @@ def parse_route_settings(metadata: Iterable[tuple[str, str | bytes]]) -> RouteSe
         name=name,
         models=_names(MODELS_KEY, seen.get(MODELS_KEY)),
         tenants=_names(TENANTS_KEY, seen.get(TENANTS_KEY)),
+        priority=_priority(seen.get(PRIORITY_KEY)),
     )
+
+
+def _priority(value: str | None) -> int | None:
+    if value is None:
+        return None
+    text = value.strip()
+    if not _PRIORITY.match(text) or not -100 <= int(text) <= 100:
+        raise RouteSettingsError(PRIORITY_KEY, "must be an integer from -100 to 100")
+    return int(text)
 
 
 def _names(key: str, value: str | None) -> frozenset[str] | None:

@@ -309,6 +309,11 @@ class StreamSession:
         """The request's class in a pool's queue: the tenant's own, or one of the classes
         the operator allows it to ask for with the kvgate-priority header."""
         own, allowed = self._snapshot.priorities.get(tenant, (0, frozenset()))
+        route = self._route
+        if isinstance(route, RouteSettings) and route.priority is not None:
+            # The operator's route says which class its requests are: the route's class
+            # replaces the tenant's own (the header may still ask for an allowed one).
+            own = route.priority
         asked = headers.get(PRIORITY_HEADER)
         if asked is None:
             return own

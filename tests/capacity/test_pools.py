@@ -1,0 +1,100 @@
+"""Pool membership and endpoint health (capacity/pools.py), without Envoy."""
+
+from __future__ import annotations
+
+import socket
+
+from aiohttp import web
+
+from kvgate.capacity.pools import PoolRegistry
+from kvgate.config import hash_api_key, parse_config
+
+_METRICS = """\
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 3.0
+"""
+
+
+def _config(backend: dict) -> object:
+    return parse_config(
+        {
+            "tenants": [{"name": "t", "api_key_sha256": hash_api_key("k")}],
+            "models": [
+                {
+                    "name": "m",
+                    "tokenizer": "unused",
+                    "max_context": 4096,
+                    "default_max_new_tokens": 16,
+                    "backend": "pool",
+                }
+            ],
+            "backends": [{"name": "pool", "kv_block_size": 16, **backend}],
+        }
+    )
+
+
+async def test_dns_members_are_every_address_the_name_resolves_to() -> None:
+    registry = PoolRegistry()
+    config = _config(
+        {
+            "kv_budget_tokens": 1024,
+            "endpoint_discovery": {"dns_name": "localhost", "port": 8123, "refresh_s": 60},
+        }
+    )
+    try:
+        await registry.sync(config)  # type: ignore[arg-type]
+        members = set(registry.members("pool"))
+        expected = {
+            f"[{info[4][0]}]:8123" if info[0] == socket.AF_INET6 else f"{info[4][0]}:8123"
+            for info in socket.getaddrinfo("localhost", 8123, type=socket.SOCK_STREAM)
+        }
+        assert members == expected and "127.0.0.1:8123" in members
+        view = registry.view("pool")
+        # No discovery: a static budget and nothing to check, so every member is pickable.
+        assert len(view.pickable) == len(members)
+        assert {e.key for e in view.pickable} == {f"pool/{m}" for m in members}
+    finally:
+        await registry.close()
+
+
+async def test_an_endpoint_whose_scrape_fails_is_not_picked_and_auto_budget_is_per_endpoint() -> (
+    None
+):
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=_METRICS)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    registry = PoolRegistry()
+    config = _config(
+        {
+            "kv_budget_tokens": "auto",
+            "endpoints": [f"127.0.0.1:{port}", f"127.0.0.1:{dead}"],
+            "discovery": {
+                "metrics_url": "http://{endpoint}/metrics",
+                "interval_s": 60,
+                "timeout_s": 1,
+            },
+        }
+    )
+    try:
+        await registry.sync(config)  # type: ignore[arg-type]
+        view = registry.view("pool")
+        assert [e.address for e in view.pickable] == [f"127.0.0.1:{port}"]
+        assert view.unhealthy == 1
+        [live] = view.pickable
+        assert live.limits.kv_budget_tokens == 1600 and live.limits.kv_block_size == 16
+        assert live.waiting == 3
+    finally:
+        await registry.close()
+        await runner.cleanup()
