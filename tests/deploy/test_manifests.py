@@ -56,6 +56,11 @@ DEPLOY = REPO_ROOT / "deploy"
 K8S_DIRS = ("kubernetes", "istio", "envoy-gateway", "prometheus")
 SIDECAR = DEPLOY / "kubernetes" / "gateway-with-sidecar.yaml"
 KVGATE_DEPLOYMENT = DEPLOY / "kubernetes" / "kvgate-deployment.yaml"
+# Pools: the pool-enabled kvgate configs (a ConfigMap each, joined with the tenants Secret of
+# the base file) and the vLLM pods' headless Service.
+SIDECAR_POOL = DEPLOY / "kubernetes" / "gateway-with-sidecar-pool.yaml"
+KVGATE_DEPLOYMENT_POOL = DEPLOY / "kubernetes" / "kvgate-deployment-pool.yaml"
+POOL_SERVICE = DEPLOY / "kubernetes" / "vllm-pool.yaml"
 ISTIO_FILTERS = [
     DEPLOY / "istio" / "envoyfilter-gateway.yaml",
     DEPLOY / "istio" / "envoyfilter-sidecar.yaml",
@@ -259,6 +264,17 @@ def kvgate_config_of(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if any(c["image"] == KVGATE_IMAGE for c in w["spec"]["template"]["spec"]["containers"])
     ]
     return merged, workload
+
+
+def kvgate_pool_config_of(pool_path: Path, base_path: Path) -> dict[str, Any]:
+    """The pool-enabled kvgate config of `pool_path` (ConfigMap kvgate-config-pool) joined with
+    the tenants Secret of `base_path`, as the init container joins them once the pod's
+    kvgate-config-base volume names that ConfigMap."""
+    base = one(pool_path, "ConfigMap", "kvgate-config-pool")["data"]["kvgate.yaml"]
+    tenants = one(base_path, "Secret", "kvgate-tenants")["stringData"]["tenants.yaml"]
+    assert "tenants" not in yaml.safe_load(base), "tenants belong in the Secret"
+    merged: dict[str, Any] = yaml.safe_load(base.rstrip("\n") + "\n" + tenants)
+    return merged
 
 
 def container(template: dict[str, Any], name: str) -> dict[str, Any]:
@@ -804,7 +820,8 @@ def test_istio_inbound_bootstrap_validates(tmp_path: Path) -> None:
 
 def test_istio_gateway_routes_every_kvgate_backend() -> None:
     merged, _ = kvgate_config_of(KVGATE_DEPLOYMENT)
-    backends = {b["name"] for b in merged["backends"]}
+    pool = kvgate_pool_config_of(KVGATE_DEPLOYMENT_POOL, KVGATE_DEPLOYMENT)
+    backends = {b["name"] for b in merged["backends"] + pool["backends"]}
     service = one(ISTIO_FILTERS[0], "VirtualService", "llm")
     routed = {
         m["headers"]["x-kvgate-backend"]["exact"]
@@ -854,7 +871,8 @@ def test_envoy_gateway_policy() -> None:
 
 def test_envoy_gateway_routes_every_kvgate_backend() -> None:
     merged, _ = kvgate_config_of(KVGATE_DEPLOYMENT)
-    backends = {b["name"] for b in merged["backends"]}
+    pool = kvgate_pool_config_of(KVGATE_DEPLOYMENT_POOL, KVGATE_DEPLOYMENT)
+    backends = {b["name"] for b in merged["backends"] + pool["backends"]}
     route = one(EG_POLICY, "HTTPRoute", "llm")
     routed = {
         h["value"]

@@ -37,6 +37,7 @@ ENVOY_GATEWAY_CRDS = (
     "backendtrafficpolicies",
     "clienttrafficpolicies",
     "envoyextensionpolicies",
+    "envoypatchpolicies",
     "httproutefilters",
 )
 # Gateway API, standard channel, as Envoy Gateway's CRD chart ships it.
