@@ -5,6 +5,13 @@ from kvgate.policy.buckets import BucketSpec, TokenBucket
 from kvgate.policy.clock import Clock, ManualClock, MonotonicClock
 from kvgate.policy.kv import BackendLedger, BackendView, ThroughputEstimate
 from kvgate.policy.periods import Period, period_key, seconds_until_reset
+from kvgate.policy.picking import (
+    EndpointLoad,
+    PickWeights,
+    PrefixIndex,
+    rank_endpoints,
+    rendezvous_order,
+)
 from kvgate.policy.pricing import Pricing, pico_to_usd, usd_to_pico
 from kvgate.policy.sizing import plan_new_tokens
 from kvgate.policy.tenant import (
@@ -45,9 +52,12 @@ __all__ = [
     "Clock",
     "ConcurrencyRule",
     "Decision",
+    "EndpointLoad",
     "ManualClock",
     "MonotonicClock",
     "Period",
+    "PickWeights",
+    "PrefixIndex",
     "Pricing",
     "RateLimitView",
     "RateRule",
@@ -68,6 +78,8 @@ __all__ = [
     "pico_to_usd",
     "plan_new_tokens",
     "precheck",
+    "rank_endpoints",
+    "rendezvous_order",
     "seconds_until_reset",
     "settle_tenant",
     "usd_to_pico",
