@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate.extproc.services import GatewayServices
 from testbed.harness import ManagedProcess, _bin
 from tests.deploy.test_manifests import (
     DASHBOARD,
@@ -289,6 +291,34 @@ def test_store_alerts() -> None:
     )
 
 
+def test_pool_alerts() -> None:
+    """A pool's endpoints failing kvgate's checks (warning after 2 minutes), none it can pick
+    while not merely shedding load (the page), requests whose queue wait expired (warning).
+    One alert per pool: the replicas' series are aggregated by (namespace, pool)."""
+    unhealthy = alert("KvgatePoolEndpointsUnhealthy")
+    assert compact(unhealthy["expr"]) == (
+        'maxby(namespace,pool)(kvgate_pool_endpoints{state="unhealthy"})>0'
+    )
+    assert unhealthy["labels"]["severity"] == "warning" and duration_s(unhealthy["for"]) == 120
+    none = alert("KvgatePoolNoPickableEndpoint")
+    assert compact(none["expr"]).startswith(
+        'maxby(namespace,pool)(kvgate_pool_endpoints{state="pickable"})==0'
+    )
+    assert 'state="shedding"' in none["expr"]
+    assert none["labels"]["severity"] == "critical"
+    expired = alert("KvgateQueueWaitExpired")
+    assert compact(expired["expr"]) == (
+        'sumby(namespace,pool)(rate(kvgate_queue_drops_total{reason="wait_expired"}[5m]))>0'
+    )
+    assert expired["labels"]["severity"] == "warning"
+    # The label values the rules match are the ones kvgate sets.
+    from kvgate.lifecycle.queue import DropReason
+
+    assert "wait_expired" in DropReason.__args__  # type: ignore[attr-defined]
+    states = re.findall(r"\"(\w+)\": ", inspect.getsource(GatewayServices._refresh_pool_gauges))
+    assert {"pickable", "unhealthy", "shedding"} <= set(states), states
+
+
 def test_service_monitor_names_the_jobs() -> None:
     endpoints = {e["port"]: e for e in one(SERVICE_MONITOR, "ServiceMonitor")["spec"]["endpoints"]}
 
@@ -433,6 +463,9 @@ def test_promtool_unit_tests_exist() -> None:
         "KvgateAdmissionFailingClosed",
         "KvgateStoreSettlementsPiling",
         "KvgateKvBudgetSaturated",
+        "KvgatePoolEndpointsUnhealthy",
+        "KvgatePoolNoPickableEndpoint",
+        "KvgateQueueWaitExpired",
     ):
         assert name in tested, f"no promtool test for {name}"
 
