@@ -216,6 +216,10 @@ def loopback_bootstrap(
             _point(cluster, extproc)
         elif cluster["name"] == "envoy_admin":
             _point(cluster, admin)
+        elif cluster.get("type") == "ORIGINAL_DST":
+            # A pool's cluster has no endpoints to move: it connects only where kvgate's
+            # x-kvgate-destination says, and only kvgate's x-kvgate-backend routes to it.
+            continue
         else:
             cluster["type"] = "STATIC"
             cluster.pop("dns_lookup_family", None)

@@ -42,8 +42,9 @@ PER_ENDPOINT = BUDGET // (((PROMPT + MAX_NEW + BLOCK - 1) // BLOCK) * BLOCK)
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
-def _pool_stack(**backend: Any) -> Stack:
+def _pool_stack(tenants: list[dict[str, Any]] | None = None, **backend: Any) -> Stack:
     return Stack(
+        tenants=tenants,
         models=[
             {
                 "name": DEFAULT_MODEL_NAME,
@@ -376,3 +377,57 @@ def test_affinity_never_piles_one_prompt_onto_one_pod(stack: Stack, counter: Pro
     assert [a.status_code for a in answers] == [200] * burst, [a.text for a in answers]
     served = _served_per_replica(stack)
     assert sorted(served.values()) == [PER_ENDPOINT] * REPLICAS, served
+
+
+def _closed_loop(
+    stack: Stack, tenant: str, messages: list[dict[str, Any]], until: float
+) -> list[int]:
+    """One client sending the same request again and again until `until`; its statuses."""
+    statuses = []
+    while time.monotonic() < until:
+        answer = _chat(
+            stack,
+            messages,
+            tenant=tenant,
+            headers={"x-sim-output-tokens": "25", "x-sim-itl-ms": "40"},
+        )
+        statuses.append(answer.status_code)
+    return statuses
+
+
+def test_a_light_tenant_is_not_starved_behind_a_heavy_one_in_a_full_pool(
+    counter: PromptCounter,
+) -> None:
+    """Heavy runs 10x the clients of light on a full pool with a queue. With FIFO light
+    would wait as long as heavy; with the virtual token counter a light request goes ahead
+    of the heavy backlog, so its mean wait is a fraction of heavy's. Nobody waits past the
+    bound (no 429 at all here: max_wait_s is far above the backlog's drain time), and
+    the top-priority tenant is served before both."""
+    tenants = [
+        {"name": "heavy", "api_key": "sk-heavy"},
+        {"name": "light", "api_key": "sk-light"},
+        {"name": "urgent", "api_key": "sk-urgent", "priority": 10},
+    ]
+    with _pool_stack(tenants, queue={"max_wait_s": 20, "poll_interval_s": 0.05}) as stack:
+        messages = document_messages(counter, PROMPT, "fair")
+        until = time.monotonic() + 12
+        with ThreadPoolExecutor(23) as pool:
+            heavy = [pool.submit(_closed_loop, stack, "heavy", messages, until) for _ in range(20)]
+            light = [pool.submit(_closed_loop, stack, "light", messages, until) for _ in range(2)]
+            time.sleep(4)  # the backlog is long now
+            urgent = pool.submit(_chat, stack, messages, tenant="urgent")
+            statuses = [s for f in heavy + light for s in f.result()]
+            assert urgent.result().status_code == 200
+        assert set(statuses) == {200}, collections.Counter(statuses)
+        samples = kvgate_metrics(stack)
+
+        def mean_wait(tenant: str, priority: str = "0") -> float:
+            labels = {"pool": POOL, "tenant": tenant, "priority": priority}
+            count = samples.value("kvgate_queue_wait_seconds_count", **labels)
+            return samples.value("kvgate_queue_wait_seconds_sum", **labels) / max(count, 1)
+
+        heavy_wait, light_wait = mean_wait("heavy"), mean_wait("light")
+        assert heavy_wait > 1.0, heavy_wait  # the pool really was full
+        assert light_wait < 0.5 * heavy_wait, (light_wait, heavy_wait)
+        assert mean_wait("urgent", "10") < heavy_wait, (mean_wait("urgent", "10"), heavy_wait)
+        assert samples.total("kvgate_queue_drops_total") == 0

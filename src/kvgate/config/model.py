@@ -261,8 +261,10 @@ class PickingConfig(_Strict):
     prefix_affinity: bool = True
     # Prompts are hashed in blocks of this many characters (about 16 tokens).
     block_chars: int = Field(default=64, ge=8, le=4096)
-    max_blocks: int = Field(default=128, ge=1, le=4096)
-    # Block hashes remembered (per kvgate process), least recently used dropped first.
+    # About 0.25 µs to hash and 1 µs to record per block, on the event loop: bounded.
+    max_blocks: int = Field(default=128, ge=1, le=512)
+    # (block hash, endpoint) pairs remembered per pool and kvgate process, least recently
+    # used dropped first (about 110 bytes each).
     max_entries: int = Field(default=100_000, ge=1)
     affinity_weight: float = Field(default=0.6, ge=0, le=1)
     # Affinity counts only while the endpoint's KV use after the request stays at or below

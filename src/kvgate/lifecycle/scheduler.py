@@ -289,6 +289,15 @@ class PoolScheduler:
         if not view.pickable:
             return self._nothing_pickable(view, settings)
         by_key = {endpoint.key: endpoint for endpoint in view.pickable}
+        remembered = index.endpoints()
+        if len(remembered) > view.members:
+            # Some endpoint left the pool (DNS): its cache went with it.
+            members = {
+                f"{settings.name}/{address}" for address in self._pools.members(settings.name)
+            }
+            for key in remembered:
+                if key not in members:
+                    index.forget(key)
         matched = index.matches(hashes) if hashes else {}
         loads = await self._loads(view)
         picking = settings.picking
