@@ -563,6 +563,52 @@ def p_store_pending(ax: Any, s: list[Scrape]) -> None:
     ax.set_ylabel("settlements")
 
 
+def _no_pool(ax: Any) -> None:
+    """The local stack's backend is no pool: these panels stay empty, and say why."""
+    if not ax.get_lines() and not ax.collections:
+        ax.text(0.5, 0.5, "none (no pool configured)", ha="center", transform=ax.transAxes)
+
+
+def p_pool_endpoints(ax: Any, s: list[Scrape]) -> None:
+    # max by (pool, state): one kvgate here, so its own counts.
+    for key, (times, values) in sorted(
+        instant(s, "kvgate_pool_endpoints", ["pool", "state"]).items()
+    ):
+        ax.plot(times, values, label=f"{key[0]} {key[1]}", linewidth=1.4)
+    _no_pool(ax)
+    ax.set_ylabel("endpoints")
+
+
+def p_pool_picks(ax: Any, s: list[Scrape]) -> None:
+    picks = rate(s, "kvgate_pool_picks_total", ["pool", "endpoint", "affinity"])
+    _stacked(ax, picks, lambda k: f"{k[1]} affinity {k[2]}")
+    _no_pool(ax)
+    ax.set_ylabel("req/s")
+
+
+def p_queue_length(ax: Any, s: list[Scrape]) -> None:
+    waiting = instant(s, "kvgate_queue_length", ["pool", "priority"])
+    _stacked(ax, waiting, lambda k: f"{k[0]} priority {k[1]}")
+    _no_pool(ax)
+    ax.set_ylabel("requests")
+
+
+def p_queue_wait(ax: Any, s: list[Scrape]) -> None:
+    for q in (0.5, 0.99):
+        times, values = quantile_series(s, "kvgate_queue_wait_seconds", q)
+        if any(not math.isnan(v) for v in values):
+            ax.plot(times, values, label=f"p{round(q * 100)}", linewidth=1.4)
+    _no_pool(ax)
+    ax.set_ylabel("seconds")
+
+
+def p_queue_drops(ax: Any, s: list[Scrape]) -> None:
+    drops = rate(s, "kvgate_queue_drops_total", ["pool", "reason"])
+    _lines(ax, drops, lambda k: f"{k[0]} {k[1]}")
+    _no_pool(ax)
+    ax.set_ylabel("/s")
+
+
 def _stat(ax: Any, value: float, good: bool) -> None:
     ax.axis("off")
     ax.text(
@@ -621,6 +667,11 @@ PANELS: dict[str, PanelFn] = {
     "State store: replicas reaching it": p_store_up,
     "State store: errors, fallback decisions, refusals": p_store_errors,
     "State store: settlements waiting, per replica": p_store_pending,
+    "Pools: endpoints by state": p_pool_endpoints,
+    "Pools: placements per endpoint, by prefix affinity": p_pool_picks,
+    "Pools: requests waiting in the queue, by priority": p_queue_length,
+    "Pools: queue wait (p50, p99)": p_queue_wait,
+    "Pools: requests leaving the queue unserved, by reason": p_queue_drops,
 }
 
 

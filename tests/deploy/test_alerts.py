@@ -407,6 +407,26 @@ def test_dashboard_charts_the_store_and_envoy() -> None:
     assert DASHBOARD.is_file()
 
 
+def test_dashboard_charts_the_pools() -> None:
+    """Every pool series is charted; per-replica queues are summed (each kvgate queues its
+    own requests), the endpoint counts take the highest any replica reports."""
+    found: dict[str, list[str]] = {}
+    for where, expr in expressions():
+        if where.startswith("panel"):
+            for name in promql_names(expr)[0]:
+                found.setdefault(name, []).append(compact(expr))
+    for name in (
+        "kvgate_pool_endpoints",
+        "kvgate_pool_picks_total",
+        "kvgate_queue_length",
+        "kvgate_queue_wait_seconds_bucket",
+        "kvgate_queue_drops_total",
+    ):
+        assert name in found, f"no panel charts {name}"
+    assert found["kvgate_pool_endpoints"] == ["maxby(pool,state)(kvgate_pool_endpoints)"]
+    assert found["kvgate_queue_length"] == ["sumby(pool,priority)(kvgate_queue_length)"]
+
+
 # --------------------------------------------------------------------------- promtool
 
 
