@@ -27,6 +27,7 @@ from testbed.harness import (
     sim_stats,
     wait_until,
 )
+from testbed.redis_harness import RedisStack
 from tests.e2e.test_core_path import assert_openai_error, document_messages
 
 POOL = "vllm-pool"
@@ -42,8 +43,10 @@ PER_ENDPOINT = BUDGET // (((PROMPT + MAX_NEW + BLOCK - 1) // BLOCK) * BLOCK)
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
-def _pool_stack(tenants: list[dict[str, Any]] | None = None, **backend: Any) -> Stack:
-    return Stack(
+def _pool_stack(
+    tenants: list[dict[str, Any]] | None = None, *, stack_class: type[Stack] = Stack, **backend: Any
+) -> Stack:
+    return stack_class(
         tenants=tenants,
         models=[
             {
@@ -431,3 +434,34 @@ def test_a_light_tenant_is_not_starved_behind_a_heavy_one_in_a_full_pool(
         assert light_wait < 0.5 * heavy_wait, (light_wait, heavy_wait)
         assert mean_wait("urgent", "10") < heavy_wait, (mean_wait("urgent", "10"), heavy_wait)
         assert samples.total("kvgate_queue_drops_total") == 0
+
+
+def test_two_kvgate_replicas_sharing_redis_hold_each_endpoints_budget_and_share_the_queue(
+    counter: PromptCounter,
+) -> None:
+    """Two kvgate processes behind one Envoy, one Redis: the per-endpoint ledgers are
+    shared, so a burst three times what the pool holds never puts more on a pod than its
+    budget, and with a queue on both replicas every request is admitted in turn (a
+    replica learns of room freed by the other through its queue's polling)."""
+    with _pool_stack(
+        stack_class=RedisStack, queue={"max_wait_s": 20, "poll_interval_s": 0.05}
+    ) as stack:
+        burst = 3 * PER_ENDPOINT * REPLICAS
+        slow = {"x-sim-output-tokens": "20", "x-sim-itl-ms": "50"}
+        messages = [document_messages(counter, PROMPT, f"redis-{i}") for i in range(burst)]
+        with ThreadPoolExecutor(burst) as pool:
+            answers = list(pool.map(lambda m: _chat(stack, m, headers=slow), messages))
+        assert [a.status_code for a in answers] == [200] * burst, [
+            a.text for a in answers if a.status_code != 200
+        ]
+        for name in _replicas(stack):
+            stats = sim_stats(stack, name)
+            assert stats["preemptions"] == 0, (name, stats)
+            assert stats["peak_kv_tokens_used"] <= BUDGET, (name, stats)
+            # Never more in flight on a pod than its budget holds.
+            assert stats["peak_running"] <= PER_ENDPOINT, (name, stats)
+        queued = sum(
+            kvgate_metrics(stack).total("kvgate_queue_wait_seconds_count", pool=POOL)
+            for stack in (stack,)
+        )
+        assert queued >= 1
