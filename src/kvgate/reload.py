@@ -124,6 +124,7 @@ FIELD_CLASSES: dict[str, str] = {
     "backends.*.endpoint_discovery.dns_name": RELOAD,
     "backends.*.endpoint_discovery.port": RELOAD,
     "backends.*.endpoint_discovery.refresh_s": RELOAD,
+    "backends.*.endpoint_discovery.max_endpoints": RELOAD,
     **{
         f"backends.*.picking.{name}": RELOAD
         for name in (

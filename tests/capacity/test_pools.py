@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
+import pytest
 from aiohttp import web
 
 from kvgate.capacity.pools import PoolRegistry
@@ -98,3 +100,31 @@ async def test_an_endpoint_whose_scrape_fails_is_not_picked_and_auto_budget_is_p
     finally:
         await registry.close()
         await runner.cleanup()
+
+
+async def test_membership_is_bounded_whatever_dns_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name answering with 1,000 A records (a hostile or broken DNS) makes a pool of
+    max_endpoints members, not 1,000 scrapers. (The resolver's answer is made up here: the
+    machine's own DNS has no such name.)"""
+
+    async def many(host: str, port: int, **_kwargs: object) -> list[tuple]:
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", (f"10.0.{i // 250}.{i % 250}", port))
+            for i in range(1000)
+        ]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", many)
+    registry = PoolRegistry()
+    config = _config(
+        {
+            "kv_budget_tokens": 1024,
+            "endpoint_discovery": {"dns_name": "vllm.example", "port": 8123, "max_endpoints": 8},
+        }
+    )
+    try:
+        await registry.sync(config)  # type: ignore[arg-type]
+        assert len(registry.members("pool")) == 8
+    finally:
+        await registry.close()

@@ -131,6 +131,15 @@ class _Pool:
                 for info in infos
             }
         )
+        if len(found) > discovery.max_endpoints:
+            log.warning(
+                "pool %s: %s resolves to %d addresses; using the first %d (max_endpoints)",
+                self.settings.name,
+                discovery.dns_name,
+                len(found),
+                discovery.max_endpoints,
+            )
+            found = found[: discovery.max_endpoints]
         if not found or tuple(found) == self.addresses:
             return False
         log.info("pool %s: endpoints now %s", self.settings.name, ", ".join(found))

@@ -253,6 +253,9 @@ class EndpointDiscoveryConfig(_Strict):
     dns_name: str = Field(min_length=1, max_length=253)
     port: int = Field(gt=0, lt=65536)
     refresh_s: float = Field(default=5.0, gt=0)
+    # A name that suddenly resolves to thousands of addresses must not start thousands of
+    # scrapers: the first this many (sorted) are the pool, and kvgate says so in its log.
+    max_endpoints: int = Field(default=256, ge=1, le=4096)
 
 
 class PickingConfig(_Strict):
