@@ -121,6 +121,7 @@ FIELD_CLASSES: dict[str, str] = {
     # Pools: membership, monitors, prefix indexes and queues follow PoolScheduler.sync;
     # requests already queued keep waiting under the new settings.
     "backends.*.endpoints": RELOAD,
+    "server.envoy_max_message_timeout_s": RELOAD,
     "backends.*.endpoint_discovery.dns_name": RELOAD,
     "backends.*.endpoint_discovery.port": RELOAD,
     "backends.*.endpoint_discovery.refresh_s": RELOAD,

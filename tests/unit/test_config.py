@@ -65,7 +65,7 @@ def _mutated(path: list, value) -> dict:
         (["backends", 0, "endpoints"], ["10.0.0.1:8000", "10.0.0.1:8000"], "twice"),
         (["backends", 0, "endpoints"], [], "at least one"),
         (["backends", 0, "queue"], {"max_wait_s": 5}, "queue needs a pool"),
-        (["backends", 0, "queue"], {"max_wait_s": 60}, "backends.0.queue.max_wait_s"),
+        (["tenants", 0, "allowed_priorities"], ["high"], "tenants.0.allowed_priorities"),
         (["tenants", 0, "priority"], 1000, "tenants.0.priority"),
     ],
 )
@@ -147,3 +147,14 @@ def test_a_pool_scrapes_each_endpoint_and_its_template_is_checked() -> None:
     pool["endpoint_discovery"] = {"dns_name": "vllm.ns.svc", "port": 8000}
     with pytest.raises(ConfigError, match="endpoints or endpoint_discovery, not both"):
         parse_config(data)
+
+
+def test_a_queue_bound_envoy_would_not_honour_is_refused() -> None:
+    data = base()
+    data["backends"][0]["endpoints"] = ["10.0.0.1:8000"]
+    data["backends"][0]["queue"] = {"max_wait_s": 33}
+    with pytest.raises(ConfigError, match="envoy_max_message_timeout_s") as info:
+        parse_config(data)
+    assert "backends.0.queue.max_wait_s: 33 s" in str(info.value)
+    data["server"]["envoy_max_message_timeout_s"] = 60
+    assert parse_config(data).backends[0].queue.max_wait_s == 33  # type: ignore[union-attr]

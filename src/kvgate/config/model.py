@@ -54,6 +54,11 @@ class ServerConfig(_Strict):
     # error when it cannot finish in time: keep it below Envoy's ext_proc message_timeout
     # (2 s in the shipped configs), or Envoy answers an empty 504 first.
     decision_timeout_s: float = Field(default=1.5, gt=0, le=60)
+    # The ext_proc filter's max_message_timeout in Envoy's config: the longest kvgate may
+    # extend a message's deadline while a request waits in a pool's queue. Envoy ignores an
+    # extension above it (and then answers 504 at message_timeout), so kvgate checks every
+    # queue's bound against it.
+    envoy_max_message_timeout_s: float = Field(default=35.0, gt=0, le=3600)
     # What a request cut before its end costs (client gone, Envoy timeout, shutdown) once the
     # backend accepted it (2xx headers): "backend_work" charges the prompt (the prefill was
     # done) plus the output seen, at least one token per content event; "visible_text" is the
@@ -246,6 +251,11 @@ class BackpressureConfig(_Strict):
     retry_after_s: float = Field(default=2.0, ge=1)
 
 
+# Envoy's extended message deadline ends this long after kvgate's own, so a request that
+# waited its whole bound still gets kvgate's answer (429 + Retry-After), not an empty 504.
+QUEUE_DEADLINE_MARGIN_S = 1.0
+
+
 class EndpointDiscoveryConfig(_Strict):
     """A pool's members from DNS: every address a name resolves to (a Kubernetes headless
     Service gives one A/AAAA record per ready pod)."""
@@ -279,9 +289,9 @@ class QueueConfig(_Strict):
     """Wait for room in the pool instead of a 429 (the tenant's own limits still answer at
     once)."""
 
-    # Bounded by Envoy's max_message_timeout (35 s in the shipped configs): kvgate extends
-    # Envoy's per-message deadline to this plus decision_timeout_s while a request waits.
-    max_wait_s: float = Field(default=10.0, gt=0, le=30)
+    # kvgate extends Envoy's per-message deadline to this + decision_timeout_s + 1 s while a
+    # request waits; that must stay within server.envoy_max_message_timeout_s.
+    max_wait_s: float = Field(default=10.0, gt=0, le=3600)
     max_queued: int = Field(default=1000, ge=1)
     max_queued_per_tenant: int = Field(default=100, ge=1)
     input_weight: float = Field(default=1.0, gt=0)
@@ -539,6 +549,21 @@ class KvgateConfig(_Strict):
                 raise ValueError(
                     f"tenants.{i}.budget.fallback_model: '{budget.fallback_model}' is not a "
                     "configured model"
+                )
+        server = self.server
+        for i, backend in enumerate(self.backends):
+            queue = backend.queue
+            if queue is not None and (
+                queue.max_wait_s + server.decision_timeout_s + QUEUE_DEADLINE_MARGIN_S
+                > server.envoy_max_message_timeout_s
+            ):
+                raise ValueError(
+                    f"backends.{i}.queue.max_wait_s: {queue.max_wait_s:g} s of waiting + "
+                    f"server.decision_timeout_s ({server.decision_timeout_s:g} s) + "
+                    f"{QUEUE_DEADLINE_MARGIN_S:g} s is over "
+                    f"server.envoy_max_message_timeout_s ({server.envoy_max_message_timeout_s:g}"
+                    " s, Envoy's max_message_timeout): Envoy would ignore the extension and "
+                    "answer 504"
                 )
         backends = {b.name for b in self.backends}
         for i, model in enumerate(self.models):

@@ -28,6 +28,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvgate.config import hash_api_key
+from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages
 from kvgate.extproc.handoff import METADATA_KEY
 from kvgate.extproc.outcomes import Answer, answer_headers, api_error
@@ -71,9 +72,6 @@ _OWS = " \t"
 # Tenant credentials: removed before a request goes upstream; a backend that needs a key
 # gets its own from kvgate's config.
 CREDENTIAL_HEADERS = ("authorization", "x-api-key")
-# Envoy's extended message deadline ends this long after kvgate's own, so a request that
-# waited its whole bound still gets kvgate's answer (429 + Retry-After), not an empty 504.
-QUEUE_DEADLINE_MARGIN_S = 1.0
 
 
 class Phase(enum.Enum):
