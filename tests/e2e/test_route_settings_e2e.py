@@ -25,6 +25,9 @@ MODEL = "qwen2.5-demo"
 OTHER_MODEL = "other-demo"
 TEAM_A_KEY = "sk-team-a"
 TEAM_B_KEY = "sk-team-b"
+# One request per minute: its second request is over RPM (enforced, or shadowed on trial).
+TEAM_C_KEY = "sk-team-c"
+BATCH_BACKEND = "vllm-batch"
 PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 
 
@@ -58,6 +61,12 @@ def envoy_config_with_route_settings() -> dict[str, Any]:
     vhosts.insert(0, with_route_settings("restricted.local", restricted, catch_all))
     broken = {"x-kvgate-route-model": MODEL}  # a typo of x-kvgate-route-models
     vhosts.insert(0, with_route_settings("broken.local", broken, catch_all))
+    batch = {"x-kvgate-route": "batch", "x-kvgate-route-backend": BATCH_BACKEND}
+    vhosts.insert(0, with_route_settings("batch.local", batch, catch_all))
+    trial = {"x-kvgate-route": "trial", "x-kvgate-route-shadow": "true"}
+    vhosts.insert(0, with_route_settings("trial.local", trial, catch_all))
+    nowhere = {"x-kvgate-route-backend": "no-such-backend"}
+    vhosts.insert(0, with_route_settings("nowhere.local", nowhere, catch_all))
     return config
 
 
@@ -75,8 +84,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         tenants=[
             {"name": "team-a", "api_key": TEAM_A_KEY},
             {"name": "team-b", "api_key": TEAM_B_KEY},
+            {"name": "team-c", "api_key": TEAM_C_KEY, "limits": {"rpm": 1}},
         ],
         models=[{"name": MODEL, **model}, {"name": OTHER_MODEL, **model}],
+        backends=[
+            {"name": "vllm-local", "kv_budget_tokens": 48000},
+            {"name": BATCH_BACKEND, "kv_budget_tokens": 48000},
+        ],
         envoy_config=src,
     ) as running:
         yield running
@@ -166,3 +180,42 @@ def test_a_client_cannot_say_route_settings_itself(stack: Stack) -> None:
     resp = post(stack, "restricted.local", TEAM_A_KEY, OTHER_MODEL, **forged)
     assert resp.status_code == 404, resp.text
     assert served_count(stack) == served
+
+
+def test_a_route_names_the_backend_that_serves_it(stack: Stack) -> None:
+    """batch.local's requests go to (and reserve on) the backend its route names, not the
+    model's own; a route naming a backend kvgate does not have fails closed."""
+    before_batch = len(sim_stats(stack, BATCH_BACKEND)["served"])
+    before_local = served_count(stack)
+    resp = post(stack, "batch.local", TEAM_A_KEY)
+    assert resp.status_code == 200, resp.text
+    assert len(sim_stats(stack, BATCH_BACKEND)["served"]) == before_batch + 1
+    assert served_count(stack) == before_local
+    unknown = post(stack, "nowhere.local", TEAM_A_KEY)
+    assert unknown.status_code == 500
+    assert unknown.json()["error"]["code"] == "route_misconfigured"
+    assert "x-kvgate-route-backend" in unknown.json()["error"]["message"]
+
+
+def test_a_shadow_route_records_but_does_not_enforce_tenant_limits(stack: Stack) -> None:
+    """team-c may send one request a minute: on the default route its second is a 429; on
+    the shadow route it is admitted and counted as a shadow rejection."""
+    first = post(stack, "localhost", TEAM_C_KEY)
+    assert first.status_code == 200, first.text
+    second = post(stack, "localhost", TEAM_C_KEY)
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rpm_exceeded"
+    text = httpx.get(stack.kvgate_metrics_url, timeout=5).text
+    shadowed_before = _shadow_rejections(text, "team-c")
+    trial = post(stack, "trial.local", TEAM_C_KEY)
+    assert trial.status_code == 200, trial.text
+    text = httpx.get(stack.kvgate_metrics_url, timeout=5).text
+    assert _shadow_rejections(text, "team-c") == shadowed_before + 1
+
+
+def _shadow_rejections(text: str, tenant: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvgate_shadow_rejections_total" and sample.labels.get("tenant") == tenant
+    )

@@ -21,6 +21,8 @@ def test_settings_are_read_and_other_metadata_ignored() -> None:
             ("X-Kvgate-Route-Models", "qwen2.5-demo, small-model"),
             ("x-kvgate-route-tenants", b"team-a"),
             ("x-kvgate-route-priority", " -5 "),
+            ("x-kvgate-route-backend", "batch-pool"),
+            ("x-kvgate-route-shadow", "TRUE"),
         ]
     )
     assert settings == RouteSettings(
@@ -28,6 +30,8 @@ def test_settings_are_read_and_other_metadata_ignored() -> None:
         models=frozenset({"qwen2.5-demo", "small-model"}),
         tenants=frozenset({"team-a"}),
         priority=-5,
+        backend="batch-pool",
+        shadow=True,
     )
     assert settings.allows_model("small-model") and not settings.allows_model("big-model")
     assert settings.allows_tenant("team-a") and not settings.allows_tenant("team-b")
@@ -51,6 +55,8 @@ def test_no_settings_restrict_nothing() -> None:
         ([("x-kvgate-route-priority", "high")], "x-kvgate-route-priority"),
         ([("x-kvgate-route-priority", "101")], "x-kvgate-route-priority"),
         ([("x-kvgate-route-priority", "1e3")], "x-kvgate-route-priority"),
+        ([("x-kvgate-route-backend", "pool/10.0.0.1:80")], "x-kvgate-route-backend"),
+        ([("x-kvgate-route-shadow", "yes")], "x-kvgate-route-shadow"),
         (
             [("x-kvgate-route-tenants", ",".join(f"t{i}" for i in range(300)))],
             "x-kvgate-route-tenants",

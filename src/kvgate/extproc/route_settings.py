@@ -12,6 +12,8 @@ initial metadata of the stream Envoy opens to kvgate:
             - { key: x-kvgate-route-models, value: "qwen2.5-demo, small-model" }
             - { key: x-kvgate-route-tenants, value: team-a }
             - { key: x-kvgate-route-priority, value: "10" }  # class in a pool's queue
+            - { key: x-kvgate-route-backend, value: batch-pool }  # instead of the model's
+            - { key: x-kvgate-route-shadow, value: "true" }  # tenant limits not enforced
 
 Envoy merges the override of the route a request first matches (before kvgate's decision
 re-routes it), so the settings belong on the routes that match requests on their way in.
@@ -32,8 +34,16 @@ MODELS_KEY = f"{PREFIX}-models"
 TENANTS_KEY = f"{PREFIX}-tenants"
 # The priority class of the route's requests in a pool's queue (instead of the tenant's).
 PRIORITY_KEY = f"{PREFIX}-priority"
-KNOWN_KEYS = frozenset({NAME_KEY, MODELS_KEY, TENANTS_KEY, PRIORITY_KEY})
+# The backend (or pool) that serves the route's requests for the model they name, instead
+# of the model's own (e.g. a batch route on its own pool of replicas).
+BACKEND_KEY = f"{PREFIX}-backend"
+# "true": the tenant's limits (RPM, TPM, concurrency, budgets) are decided and recorded on
+# this route but not enforced; the KV budget always is.
+SHADOW_KEY = f"{PREFIX}-shadow"
+KNOWN_KEYS = frozenset({NAME_KEY, MODELS_KEY, TENANTS_KEY, PRIORITY_KEY, BACKEND_KEY, SHADOW_KEY})
 _PRIORITY = re.compile(r"^-?[0-9]{1,3}$")
+# Backend names are Envoy cluster names (config.model.BackendConfig).
+_BACKEND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # The same shape as names in kvgate's config (models, tenants).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _MAX_LIST = 256
@@ -56,6 +66,8 @@ class RouteSettings:
     models: frozenset[str] | None = None
     tenants: frozenset[str] | None = None
     priority: int | None = None
+    backend: str | None = None
+    shadow: bool = False
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -91,7 +103,27 @@ def parse_route_settings(metadata: Iterable[tuple[str, str | bytes]]) -> RouteSe
         models=_names(MODELS_KEY, seen.get(MODELS_KEY)),
         tenants=_names(TENANTS_KEY, seen.get(TENANTS_KEY)),
         priority=_priority(seen.get(PRIORITY_KEY)),
+        backend=_backend(seen.get(BACKEND_KEY)),
+        shadow=_flag(SHADOW_KEY, seen.get(SHADOW_KEY)),
     )
+
+
+def _backend(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = value.strip()
+    if not _BACKEND.match(name):
+        raise RouteSettingsError(BACKEND_KEY, "must be a backend name (letters, digits, . _ -)")
+    return name
+
+
+def _flag(key: str, value: str | None) -> bool:
+    if value is None:
+        return False
+    text = value.strip().lower()
+    if text not in ("true", "false"):
+        raise RouteSettingsError(key, 'must be "true" or "false"')
+    return text == "true"
 
 
 def _priority(value: str | None) -> int | None:

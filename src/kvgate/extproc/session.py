@@ -32,13 +32,18 @@ from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages
 from kvgate.extproc.handoff import METADATA_KEY
 from kvgate.extproc.outcomes import Answer, answer_headers, api_error
-from kvgate.extproc.route_settings import NO_ROUTE_SETTINGS, RouteSettings, RouteSettingsError
+from kvgate.extproc.route_settings import (
+    BACKEND_KEY,
+    NO_ROUTE_SETTINGS,
+    RouteSettings,
+    RouteSettingsError,
+)
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Rejected, Rejection, ResponseMeter, ResponseReading, Ticket
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
 from kvgate.openai import errors as api_errors
-from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy, pico_to_usd
+from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy, pico_to_usd, shadowed
 from kvgate.store import StoreUnavailable
 from kvgate.tokenize import TokenizerBusy
 
@@ -256,6 +261,15 @@ class StreamSession:
             return self._reject(api_errors.invalid_api_key(), Answer.INVALID_API_KEY)
         self.tenant = tenant
         self._tenant_policy = self._snapshot.tenants[tenant]
+        if route.shadow:
+            # The operator's route trials the tenant's limits: decided and counted in
+            # kvgate_shadow_rejections_total, never enforced (the KV budget still is).
+            self._tenant_policy = shadowed(self._tenant_policy)
+        if route.backend is not None and route.backend not in self._snapshot.backends:
+            log.error("route names backend %r, which kvgate's config does not have", route.backend)
+            return self._reject(
+                api_errors.route_misconfigured(BACKEND_KEY), Answer.ROUTE_MISCONFIGURED
+            )
         if not route.allows_tenant(tenant):
             return self._reject(
                 api_errors.tenant_not_allowed_on_route(), Answer.TENANT_NOT_ALLOWED_ON_ROUTE
@@ -422,6 +436,7 @@ class StreamSession:
             _admission_id(self.request_id),
             priority=self._priority,
             on_queued=self._on_queued,
+            backend=route.backend if isinstance(route, RouteSettings) else None,
         )
         # Exact output counts need the usage event; when the client did not ask for it, the
         # response meter strips it again before the client sees it. An observing stream

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvgate.capacity.registry import CapacityRegistry
@@ -155,16 +155,22 @@ class Admission:
         *,
         priority: int = 0,
         on_queued: Callable[[float], None] | None = None,
+        backend: str | None = None,
     ) -> Ticket:
         """A ticket for the admitted request, or `Rejected`. `admission_id` keys the
         reservation in the store (unique per request); `request_id` is the client's.
         `priority` is its class in a pool's queue; `on_queued(max_wait_s)` is called when
-        it starts waiting there (the adapter extends its deadlines)."""
+        it starts waiting there (the adapter extends its deadlines); `backend` replaces the
+        model's own backend (a route's setting)."""
         self._priority = priority
         self._on_queued = on_queued
         route = self._snapshot.models.get(request.model)
         if route is None:
             raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, request.model, param="model"))
+        if backend is not None and backend != route.backend:
+            # The request's Envoy route names the backend (or pool) that serves it. A budget
+            # fallback model is still served by its own.
+            route = replace(route, backend=backend)
         # Once the pre-check took the tenant's RPM request, no later step takes it again (the
         # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
         slot_taken = await self._reject_early(request, tenant, route, admission_id, False)

@@ -25,6 +25,7 @@ from kvgate.policy.tenant import (
     TenantPolicy,
     TenantState,
     Violation,
+    shadowed,
 )
 from kvgate.policy.types import (
     ActualUsage,
@@ -82,5 +83,6 @@ __all__ = [
     "rendezvous_order",
     "seconds_until_reset",
     "settle_tenant",
+    "shadowed",
     "usd_to_pico",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from kvgate.policy.buckets import BucketSpec, TokenBucket
@@ -369,3 +369,23 @@ def rate_limit_view(policy: TenantPolicy, state: TenantState, now: float) -> Rat
             reset_tokens_s=scope.tokens.seconds_until_full(now),
         )
     return view
+
+
+def _shadow_scope(scope: ScopeLimits) -> ScopeLimits:
+    return ScopeLimits(
+        rpm=replace(scope.rpm, shadow=True) if scope.rpm else None,
+        tpm=replace(scope.tpm, shadow=True) if scope.tpm else None,
+        concurrency=replace(scope.concurrency, shadow=True) if scope.concurrency else None,
+    )
+
+
+def shadowed(policy: TenantPolicy) -> TenantPolicy:
+    """The policy with every limit in shadow mode: decided and reported, never enforced."""
+    return replace(
+        policy,
+        limits=_shadow_scope(policy.limits),
+        model_limits=MappingProxyType(
+            {model: _shadow_scope(scope) for model, scope in policy.model_limits.items()}
+        ),
+        budgets=tuple(replace(rule, shadow=True) for rule in policy.budgets),
+    )
