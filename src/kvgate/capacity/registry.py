@@ -29,9 +29,7 @@ class CapacityRegistry:
     async def sync(self, config: KvgateConfig) -> None:
         """Start, restart or stop monitors to match the configuration (start-up, reload)."""
         # Pools scrape each endpoint on their own (capacity/pools.py).
-        wanted = {
-            b.name: b for b in config.backends if b.discovery is not None and not b.is_pool
-        }
+        wanted = {b.name: b for b in config.backends if b.discovery is not None and not b.is_pool}
         for name in list(self._monitors):
             if name not in wanted or wanted[name].discovery != self._settings[name].discovery:
                 await self._monitors.pop(name).stop()
