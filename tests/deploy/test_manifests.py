@@ -40,8 +40,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvgate.config import parse_config
-from kvgate.config.model import QueueConfig, ServerConfig
-from kvgate.extproc.session import QUEUE_DEADLINE_MARGIN_S
+from kvgate.config.model import ServerConfig
 from kvgate.metrics import Metrics
 from testbed.harness import (
     ENVOY_CONFIG,
@@ -218,14 +217,11 @@ def assert_valid_envoy(config: dict[str, Any], tmp_path: Path, name: str) -> Non
     assert "Deprecated field" not in output, output
 
 
-def queue_deadline_bound_s() -> float:
-    """The longest message deadline kvgate asks Envoy for: the largest queue wait its config
-    accepts, the default decision timeout and kvgate's margin."""
-    wait_bound = next(
-        m.le for m in QueueConfig.model_fields["max_wait_s"].metadata if getattr(m, "le", None)
-    )
-    decision = ServerConfig.model_fields["decision_timeout_s"].default
-    return float(wait_bound) + float(decision) + QUEUE_DEADLINE_MARGIN_S
+def assumed_max_message_timeout_s() -> float:
+    """The ext_proc filter's max_message_timeout kvgate assumes unless told otherwise
+    (server.envoy_max_message_timeout_s): it refuses a pool queue whose wait bound would need
+    more, so every shipped filter must allow at least this."""
+    return float(ServerConfig.model_fields["envoy_max_message_timeout_s"].default)
 
 
 def check_ext_proc(config: dict[str, Any], where: str) -> None:
@@ -234,8 +230,8 @@ def check_ext_proc(config: dict[str, Any], where: str) -> None:
     assert duration_s(config["message_timeout"]) >= 1.0, f"{where}: message_timeout < 1 s"
     # A pool's queue extends the deadline with override_message_timeout; Envoy ignores it
     # beyond max_message_timeout (0, the default: always).
-    assert duration_s(config.get("max_message_timeout", "0s")) >= queue_deadline_bound_s(), (
-        f"{where}: max_message_timeout below the longest queue wait kvgate may ask for"
+    assert duration_s(config.get("max_message_timeout", "0s")) >= assumed_max_message_timeout_s(), (
+        f"{where}: max_message_timeout below what kvgate assumes (envoy_max_message_timeout_s)"
     )
     mode = config["processing_mode"]
     assert mode["request_header_mode"] == "SEND", where
