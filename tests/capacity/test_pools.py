@@ -128,3 +128,29 @@ async def test_membership_is_bounded_whatever_dns_answers(
         assert len(registry.members("pool")) == 8
     finally:
         await registry.close()
+
+
+async def test_a_pool_whose_checks_all_fail_degrades_instead_of_halting() -> None:
+    """Every endpoint's scrape fails (stale metrics, not necessarily dead pods): none is
+    pickable, but those whose budget is known are offered as degraded, so the scheduler
+    still admits against its own reservations."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    registry = PoolRegistry()
+    config = _config(
+        {
+            "kv_budget_tokens": 1024,
+            "endpoints": [f"127.0.0.1:{dead}", "127.0.0.2:9"],
+            "discovery": {"metrics_url": "http://{endpoint}/metrics", "timeout_s": 0.5},
+        }
+    )
+    try:
+        await registry.sync(config)  # type: ignore[arg-type]
+        view = registry.view("pool")
+        assert view.pickable == () and view.unhealthy == 2
+        assert sorted(e.address for e in view.degraded) == sorted(
+            [f"127.0.0.1:{dead}", "127.0.0.2:9"]
+        )
+    finally:
+        await registry.close()

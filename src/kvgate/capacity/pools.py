@@ -51,6 +51,10 @@ class PoolView:
     pickable: tuple[PoolEndpoint, ...]
     members: int
     unhealthy: int
+    # Failing or stale endpoints whose budget is known: tried only when none is pickable,
+    # so the pool never halts because its metrics went stale (the store's reservations
+    # still bound what each endpoint is given).
+    degraded: tuple[PoolEndpoint, ...]
     shedding: tuple[tuple[str, BackpressureVerdict], ...]
     # Endpoints whose automatic KV budget was never read.
     capacity_unknown: int
@@ -177,51 +181,58 @@ class _Pool:
     def view(self, now: float) -> PoolView:
         settings = self.settings
         pickable: list[PoolEndpoint] = []
+        degraded: list[PoolEndpoint] = []
         unhealthy = unknown = 0
         shedding: list[tuple[str, BackpressureVerdict]] = []
         for address in self.addresses:
             key = endpoint_key(settings.name, address)
             monitor = self.monitors.get(address)
             reading = None
+            healthy = True
             if monitor is not None:
                 reading = monitor.latest(now)
                 # The last scrape failed, or nothing fresh: the endpoint is presumed down.
-                if reading is None or monitor.consecutive_failures > 0:
-                    unhealthy += 1
-                    continue
+                healthy = reading is not None and monitor.consecutive_failures == 0
             budget, block = settings.kv_budget_tokens, settings.kv_block_size
             if budget == "auto":
                 if reading is not None and reading.kv_capacity_tokens and reading.block_size:
                     self.known_budget[address] = (reading.kv_capacity_tokens, reading.block_size)
                 known = self.known_budget.get(address)
                 if known is None:
-                    unknown += 1
+                    if healthy:
+                        unknown += 1
+                    else:
+                        unhealthy += 1  # down, and never read: nothing to fall back on
                     continue
                 budget, block = known
+            endpoint = PoolEndpoint(
+                pool=settings.name,
+                address=address,
+                key=key,
+                limits=BackendLimits(
+                    name=key,
+                    kv_budget_tokens=int(budget),
+                    kv_block_size=block,
+                    max_concurrent_requests=settings.max_concurrent_requests,
+                ),
+                waiting=reading.num_requests_waiting if reading is not None else None,
+            )
+            if not healthy:
+                unhealthy += 1
+                degraded.append(endpoint)
+                continue
             if self.backpressure is not None:
                 verdict = self.backpressure.evaluate(reading)
                 if verdict.shed:
                     shedding.append((key, verdict))
                     continue
-            pickable.append(
-                PoolEndpoint(
-                    pool=settings.name,
-                    address=address,
-                    key=key,
-                    limits=BackendLimits(
-                        name=key,
-                        kv_budget_tokens=int(budget),
-                        kv_block_size=block,
-                        max_concurrent_requests=settings.max_concurrent_requests,
-                    ),
-                    waiting=reading.num_requests_waiting if reading is not None else None,
-                )
-            )
+            pickable.append(endpoint)
         return PoolView(
             pool=settings.name,
             pickable=tuple(pickable),
             members=len(self.addresses),
             unhealthy=unhealthy,
+            degraded=tuple(degraded),
             shedding=tuple(shedding),
             capacity_unknown=unknown,
         )

@@ -176,9 +176,10 @@ class PoolScheduler:
 
     def limits_for_precheck(self, pool: str) -> BackendLimits | None:
         """Limits for the pre-check, which only reads a backend to time a tenant's
-        concurrency: the first pickable endpoint's, or None when there is none."""
+        concurrency: the first pickable (or degraded) endpoint's, or None when there is none."""
         view = self._pools.view(pool)
-        return view.pickable[0].limits if view.pickable else None
+        candidates = view.pickable or view.degraded
+        return candidates[0].limits if candidates else None
 
     async def place(
         self,
@@ -287,7 +288,14 @@ class PoolScheduler:
     ) -> Placement:
         view = self._pools.view(settings.name)
         if not view.pickable:
-            return self._nothing_pickable(view, settings)
+            if not view.degraded or view.shedding:
+                return self._nothing_pickable(view, settings)
+            # Every endpoint fails its checks or is stale, but their budgets are known: admit
+            # against kvgate's own reservations rather than halt the pool. A dead pod's
+            # request fails upstream (nothing charged) and frees its reservation.
+            view = replace(view, pickable=view.degraded)
+            if self._metrics is not None:
+                self._metrics.pool_degraded_picks.labels(settings.name).inc()
         by_key = {endpoint.key: endpoint for endpoint in view.pickable}
         remembered = index.endpoints()
         if len(remembered) > view.members:

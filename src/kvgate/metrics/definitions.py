@@ -227,6 +227,13 @@ class Metrics:
             ["pool", "state"],
             registry=r,
         )
+        self.pool_degraded_picks = Counter(
+            "kvgate_pool_degraded_picks",
+            "Placements made while no endpoint of the pool passed its checks (all failing or "
+            "stale): kvgate admitted against its own reservations instead of halting.",
+            ["pool"],
+            registry=r,
+        )
         self.queue_length = Gauge(
             "kvgate_queue_length",
             "Requests waiting for room in a pool, by priority class.",
