@@ -98,6 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill time per 1,000 prompt tokens not found in the prefix cache, added "
         "to --ttft-ms",
     )
+    p.add_argument(
+        "--embedding-model",
+        choices=["wordllama"],
+        default=None,
+        help="also serve POST /v1/embeddings with this real embedding model (WordLlama "
+        "l2_supercat, 256 dimensions, from the wordllama wheel); a real vLLM serves "
+        "either generation or embeddings, the simulator both",
+    )
+    p.add_argument(
+        "--embedding-served-model-name",
+        default="wordllama-l2-supercat",
+        help="model id for /v1/embeddings (listed in /v1/models after the generation model)",
+    )
+    p.add_argument(
+        "--embedding-max-model-len",
+        type=int,
+        default=8192,
+        help="the embedding model's context length in tokens",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -122,6 +141,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         prefill_ms_per_1k_tokens=args.prefill_ms_per_1k_tokens,
+        embedding_model=args.embedding_model,
+        embedding_served_model_name=args.embedding_served_model_name,
+        embedding_max_model_len=args.embedding_max_model_len,
     )
 
 

@@ -53,6 +53,13 @@ class SimConfig:
     # Prefill cost per 1,000 tokens a prefill computes (those not found in the prefix
     # cache), added to the TTFT; 0 keeps the TTFT flat.
     prefill_ms_per_1k_tokens: float = 0.0
+    # POST /v1/embeddings backed by this embedding model ("wordllama"), served as
+    # embedding_served_model_name next to the generation model (a real vLLM serves one
+    # model: generation or pooling). None: /v1/embeddings answers as vLLM does for a
+    # generation model ("The model does not support Embeddings API").
+    embedding_model: str | None = None
+    embedding_served_model_name: str = "wordllama-l2-supercat"
+    embedding_max_model_len: int = 8192
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -71,6 +78,10 @@ class SimConfig:
             raise ValueError("max_logprobs must be >= -1")
         if self.request_history < 1:
             raise ValueError("request_history must be >= 1")
+        if self.embedding_model is not None and self.embedding_model != "wordllama":
+            raise ValueError(f"unknown embedding model {self.embedding_model!r} (known: wordllama)")
+        if self.embedding_max_model_len < 1:
+            raise ValueError("embedding_max_model_len must be >= 1")
 
     @property
     def gpu_blocks(self) -> int:

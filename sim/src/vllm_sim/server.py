@@ -26,6 +26,13 @@ from aiohttp import web
 
 from vllm_sim import protocol
 from vllm_sim.config import SimConfig
+from vllm_sim.embeddings import (
+    NOT_SUPPORTED,
+    EmbeddingRequest,
+    EmbeddingServer,
+    load_embedding_model,
+    parse_embedding,
+)
 from vllm_sim.engine import KVEngine, SimRequest
 from vllm_sim.logprobs import LogprobSource, Position
 from vllm_sim.metrics import SimMetrics
@@ -228,6 +235,18 @@ class VllmSim:
         self.requests = RequestLog(capacity=config.request_history)
         self._logprob_source: LogprobSource | None = None
         self._auth_values = frozenset(f"Bearer {key}" for key in config.api_keys)
+        # The embedding model, loaded at start like vLLM's; its own worker thread.
+        self.embedder: EmbeddingServer | None = None
+        self._embed_executor: ThreadPoolExecutor | None = None
+        if config.embedding_model is not None:
+            self.embedder = EmbeddingServer(
+                load_embedding_model(config.embedding_model),
+                config.embedding_served_model_name,
+                config.embedding_max_model_len,
+            )
+            self._embed_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="vllm-sim-embed"
+            )
         if self.max_model_len < config.max_model_len:
             log.warning(
                 "KV capacity %d tokens < max_model_len %d: serving max_model_len=%d",
@@ -267,6 +286,7 @@ class VllmSim:
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/sim/stats", self.sim_stats)
         app.router.add_get("/sim/requests", self.sim_requests)
         app.router.add_post("/sim/reset", self.sim_reset)
@@ -276,6 +296,8 @@ class VllmSim:
     async def _cleanup(self, _app: web.Application) -> None:
         await self._watcher.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._embed_executor is not None:
+            self._embed_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -313,11 +335,13 @@ class VllmSim:
         return _json_response(protocol.version())
 
     async def models(self, _request: web.Request) -> web.Response:
-        return _json_response(
-            protocol.model_list(
-                self.config.served_model_name, str(self.config.model_dir), self.max_model_len
-            )
+        body = protocol.model_list(
+            self.config.served_model_name, str(self.config.model_dir), self.max_model_len
         )
+        if self.embedder is not None:
+            name = self.embedder.served_model_name
+            body["data"] += protocol.model_list(name, name, self.embedder.max_model_len)["data"]
+        return _json_response(body)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.render(request.headers.get("Accept", ""))
@@ -339,6 +363,8 @@ class VllmSim:
             "enable_prompt_tokens_details": self.config.enable_prompt_tokens_details,
             "prefill_ms_per_1k_tokens": self.config.prefill_ms_per_1k_tokens,
         }
+        if self.embedder is not None:
+            snap["embeddings"] = self.embedder.stats()
         return _json_response(snap)
 
     async def sim_requests(self, request: web.Request) -> web.Response:
@@ -356,6 +382,8 @@ class VllmSim:
         # A cold prefix cache too, so each test starts from the same state.
         self.engine.reset_prefix_cache()
         self.requests.clear()
+        if self.embedder is not None:
+            self.embedder.reset()
         self.metrics = SimMetrics(self.config, self.engine)
         self.engine.listener = self.metrics
         return _json_response({"ok": True})
@@ -446,6 +474,33 @@ class VllmSim:
             engine_error=PROMPT_EMBEDS_DISABLED if comp.prompt_embeds else None,
             embeds=len(comp.prompt_embeds or ()),
         )
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/embeddings (see vllm_sim.embeddings): the body is validated first,
+        then a server without an embedding model refuses, as a generation vLLM does."""
+        try:
+            body, steering = await self._read(request)
+            req = parse_embedding(body)
+            server = self.embedder
+            if server is None or self._embed_executor is None:
+                raise RequestError.bad_request(NOT_SUPPORTED)
+            server.check(req)
+            loop = asyncio.get_running_loop()
+
+            def prepare(req: EmbeddingRequest) -> list[list[int]]:
+                prompts = server.render(req)
+                server.check_pooling(req)
+                server.check_engine(prompts)
+                return prompts
+
+            prompts = await loop.run_in_executor(self._embed_executor, prepare, req)
+        except RequestError as err:
+            return _error_response(err)
+        if steering.ttft_s > 0:
+            await asyncio.sleep(steering.ttft_s)  # the forward pass
+        vectors = await loop.run_in_executor(self._embed_executor, server.compute, req, prompts)
+        request_id = request.headers.get("X-Request-Id") or req.request_id or protocol.random_uuid()
+        return _json_response(server.response(request_id, vectors, prompts, req.encoding_format))
 
     async def _tokenize_chat(self, chat: ChatRequest) -> list[int]:
         def work() -> list[int]:
