@@ -1,0 +1,8 @@
+"""Answers served once (issue 12): the semantic cache's foundations.
+
+:mod:`kvgate.cache.embeddings` turns question texts into L2-normalised vectors: offline
+with WordLlama's 256-dimensional weights (the ``semantic`` extra), or through an
+OpenAI-compatible ``POST /v1/embeddings`` endpoint (vLLM serving an embedding model). Nothing
+here is on the request path yet; numpy (and wordllama) are imported only by the modules that
+need them, so importing this package costs nothing.
+"""
