@@ -130,7 +130,7 @@ class WordLlamaEmbedder:
         *,
         dimensions: int = 256,
         max_tokens: int = 2048,
-        inline_max_chars: int = 512,
+        inline_max_chars: int = 256,
         package_dir: Path | None = None,
     ) -> None:
         if dimensions not in WORDLLAMA_DIMENSIONS:
