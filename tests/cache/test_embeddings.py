@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -44,6 +45,18 @@ TEXTS = [
 ]
 
 
+def import_wordllama() -> Any:
+    """``wordllama`` itself, for reference values. Importing it calls
+    ``logging.basicConfig(level=INFO)``: the root logger is put back as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        return pytest.importorskip("wordllama")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 @pytest.fixture(scope="module")
 def wordllama() -> WordLlamaEmbedder:
     return WordLlamaEmbedder()
@@ -53,7 +66,7 @@ def wordllama() -> WordLlamaEmbedder:
 
 
 async def test_wordllama_matches_the_package(wordllama: WordLlamaEmbedder) -> None:
-    package = pytest.importorskip("wordllama")
+    package = import_wordllama()
     reference = package.WordLlama.load(
         cache_dir=Path(package.__file__).parent, disable_download=True
     )

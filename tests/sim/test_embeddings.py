@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,18 @@ NAME = "wordllama-l2-supercat"
 QUESTION = "What is the capital of France?"
 
 
+def import_wordllama() -> Any:
+    """``wordllama`` itself, for reference values. Importing it calls
+    ``logging.basicConfig(level=INFO)``: the root logger is put back as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        return pytest.importorskip("wordllama")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 @pytest.fixture
 async def eclient(make_client: MakeClient) -> TestClient:
     return await make_client(embedding_model="wordllama")
@@ -30,7 +43,7 @@ async def eclient(make_client: MakeClient) -> TestClient:
 def reference() -> Any:
     """wordllama's own model (its loader pointed at the package: it would download the
     tokenizer from Hugging Face otherwise)."""
-    wordllama = pytest.importorskip("wordllama")
+    wordllama = import_wordllama()
     return wordllama.WordLlama.load(
         cache_dir=Path(wordllama.__file__).parent, disable_download=True
     )
