@@ -15,8 +15,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvgate.admin.auth import OperatorAuth, OperatorAuthInterceptor, load_operator_tokens
+from kvgate.admin.auth import (
+    HTTPS_LISTEN_FIELD,
+    OperatorAuth,
+    OperatorAuthInterceptor,
+    load_operator_tokens,
+)
 from kvgate.admin.service import AdminService
+from kvgate.admin.tls import OperatorTls
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.capacity.pools import PoolRegistry
 from kvgate.capacity.registry import CapacityRegistry
@@ -30,7 +36,7 @@ from kvgate.lifecycle.scheduler import PoolScheduler
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.definitions import CountingCollector
-from kvgate.metrics.http import create_http_app
+from kvgate.metrics.http import create_http_app, create_operator_app
 from kvgate.policy import ActualUsage, MonotonicClock, Reservation
 from kvgate.reload import ConfigReloader
 from kvgate.store import (
@@ -251,6 +257,18 @@ class KvgateServer:
 
     async def start(self) -> None:
         server_cfg = self.config.server
+        # Operator TLS: its files are read before anything listens (unusable ones stop the
+        # start, naming the field); the operator endpoints then answer on TLS listeners only.
+        self.operator_tls = (
+            OperatorTls(server_cfg.operator_tls) if server_cfg.operator_tls else None
+        )
+        self.operator_https_port = 0
+        if self.operator_tls is not None:
+            https = [HTTPS_LISTEN_FIELD] if server_cfg.operator_https_listen else []
+            self.operator_auth.use_tls(
+                ["server.admin_listen", *https],
+                client_certs=self.operator_tls.client_certs_required,
+            )
         await self._sync_capacity(self.config)
         for backend in self.snapshots.current.backends.values():
             self.metrics.kv_budget_tokens.labels(backend.name).set(backend.kv_budget_tokens)
@@ -284,28 +302,59 @@ class KvgateServer:
             raise OSError(f"cannot listen on {server_cfg.grpc_listen} (gRPC)")
         await self._grpc.start()
 
-        for warning in self.operator_auth.exposure_warnings(
-            {"server.http_listen": server_cfg.http_listen}
-        ):
+        http_listeners = {"server.http_listen": server_cfg.http_listen}
+        if server_cfg.operator_https_listen is not None:
+            http_listeners[HTTPS_LISTEN_FIELD] = server_cfg.operator_https_listen
+        for warning in self.operator_auth.exposure_warnings(http_listeners):
             log.warning(warning)
         host, _, port = server_cfg.http_listen.rpartition(":")
-        self._http = web.AppRunner(
-            create_http_app(
-                self.metrics,
-                lambda: self._ready,
-                self._all_tenants_usage,
-                before_scrape=self.services.refresh_backend_gauges,
-                authorize_admin=self.operator_auth.for_listener(
-                    server_cfg.http_listen, "server.http_listen"
-                ),
+        http_app = create_http_app(
+            self.metrics,
+            lambda: self._ready,
+            self._all_tenants_usage,
+            before_scrape=self.services.refresh_backend_gauges,
+            authorize_admin=self.operator_auth.for_listener(
+                server_cfg.http_listen, "server.http_listen"
             ),
-            access_log=None,
         )
+        operator_https = None
+        if self.operator_tls is not None and server_cfg.operator_https_listen is not None:
+            # /admin/usage over HTTPS on its own port; the probes and Prometheus keep plain
+            # HTTP on http_listen. Cleaning up the HTTP runner (stop()) stops it too.
+            operator_https = web.AppRunner(
+                create_operator_app(
+                    self._all_tenants_usage,
+                    self.operator_auth.for_listener(
+                        server_cfg.operator_https_listen, HTTPS_LISTEN_FIELD
+                    ),
+                    require_client_cert=self.operator_tls.client_certs_required,
+                ),
+                access_log=None,
+            )
+
+            async def stop_operator_https(_: web.Application) -> None:
+                await operator_https.cleanup()
+
+            http_app.on_cleanup.append(stop_operator_https)
+        self._http = web.AppRunner(http_app, access_log=None)
         await self._http.setup()
         site = web.TCPSite(self._http, host.strip("[]"), int(port))
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         self.http_port = sockets[0].getsockname()[1] if sockets else int(port)
+        if operator_https is not None and self.operator_tls is not None:
+            listen = server_cfg.operator_https_listen or ""
+            host, _, port = listen.rpartition(":")
+            await operator_https.setup()
+            secure = web.TCPSite(
+                operator_https,
+                host.strip("[]"),
+                int(port),
+                ssl_context=self.operator_tls.ssl_context(),
+            )
+            await secure.start()
+            sockets = secure._server.sockets if secure._server else []  # type: ignore[union-attr]
+            self.operator_https_port = sockets[0].getsockname()[1] if sockets else int(port)
 
         if self.config_path is not None:
             self.reloader = ConfigReloader(
@@ -368,7 +417,21 @@ class KvgateServer:
             (admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME),
             self._admin,
         )
-        self.admin_port = self._admin.add_insecure_port(self.config.server.admin_listen)
+        if self.operator_tls is not None:
+            # Mutual TLS when a client CA is configured: the handshake refuses a client without
+            # a certificate that CA signed, before any call is read.
+            self.admin_port = self._admin.add_secure_port(
+                admin_listen, self.operator_tls.grpc_credentials()
+            )
+            log.info(
+                "operator listeners use " + self.operator_tls.mode,
+                extra={
+                    "admin_listen": admin_listen,
+                    "operator_https_listen": self.config.server.operator_https_listen,
+                },
+            )
+        else:
+            self.admin_port = self._admin.add_insecure_port(admin_listen)
         if self.admin_port == 0:
             raise OSError(f"cannot listen on {self.config.server.admin_listen} (admin gRPC)")
         await self._admin.start()

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--secrets",
         action="store_true",
-        help="also read the operator token and Redis passwords the config names (never shown)",
+        help="also read the operator token, operator TLS files and Redis passwords the config "
+        "names (never shown)",
     )
     check.set_defaults(func=_check_config)
 

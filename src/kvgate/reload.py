@@ -50,6 +50,13 @@ FIELD_CLASSES: dict[str, str] = {
     # file also whenever it changes (kvgate.admin.auth).
     "server.admin_token_env": RELOAD,
     "server.admin_token_file": RELOAD,
+    # Operator TLS: listeners and their credentials are built at start (turning TLS or client
+    # certificates on or off changes the listener). The files' contents, a renewed
+    # certificate or CA, are re-read whenever they change, without a reload (kvgate.admin.tls).
+    "server.operator_https_listen": RESTART,
+    "server.operator_tls.cert_file": RESTART,
+    "server.operator_tls.key_file": RESTART,
+    "server.operator_tls.client_ca_file": RESTART,
     "store": RESTART,  # the store is built once
     "redis.key_prefix": RESTART,
     "redis.timeout_s": RESTART,

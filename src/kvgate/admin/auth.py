@@ -8,6 +8,11 @@
   with a message naming the settings. The decision is made on the listener, never on the
   peer's address: behind a proxy in the same network namespace (an Istio sidecar forwards
   from 127.0.0.6) a remote client would look local.
+- With operator TLS (`server.operator_tls`, kvgate.admin.tls), they answer only on the TLS
+  listeners (server.admin_listen, server.operator_https_listen); /admin/usage on the plain
+  HTTP port answers 403. With a client CA (mutual TLS) the verified client certificate
+  authenticates the caller like a loopback listener: no token needed on any address. A token,
+  if configured, is required as well (both, never either).
 
 /metrics, /healthz, /readyz, the gRPC health service and server reflection (the API's schema,
 public in protos/) stay open.
@@ -20,7 +25,7 @@ import ipaddress
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +39,8 @@ log = logging.getLogger("kvgate.admin.auth")
 
 ADMIN_METHOD_PREFIX = "/kvgate.admin.v1.Admin/"
 TOKEN_SETTINGS = "server.admin_token_file or server.admin_token_env"
+CLIENT_CA_SETTING = "server.operator_tls.client_ca_file"
+HTTPS_LISTEN_FIELD = "server.operator_https_listen"
 MIN_TOKEN_CHARS = 16
 # What fits an HTTP header and gRPC metadata unchanged: printable ASCII, no spaces.
 _TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")
@@ -138,10 +145,25 @@ class OperatorAuth:
 
     def __init__(self, tokens: OperatorTokens) -> None:
         self._tokens = tokens
+        # Operator TLS: the listener fields that serve it (None: no operator TLS), and whether
+        # their clients present a certificate the client CA verified (mutual TLS).
+        self._tls_fields: frozenset[str] | None = None
+        self._client_certs = False
 
     @property
     def configured(self) -> bool:
         return self._tokens.configured
+
+    def use_tls(self, tls_fields: Iterable[str], *, client_certs: bool) -> None:
+        """Operator TLS is on: the operator endpoints answer only on these listeners (any other
+        refuses them, 403 / PERMISSION_DENIED), and with client_certs (mutual TLS, enforced by
+        the handshake) a caller on them is authenticated like one on a loopback listener."""
+        self._tls_fields = frozenset(tls_fields)
+        self._client_certs = client_certs
+
+    def client_certs_on(self, listen_field: str) -> bool:
+        """Whether the listener's clients are authenticated by a verified certificate."""
+        return self._client_certs and listen_field in (self._tls_fields or ())
 
     def replace(self, tokens: OperatorTokens) -> None:
         self._tokens = tokens
@@ -150,6 +172,20 @@ class OperatorAuth:
         self, authorization: str | None, *, listen: str, listen_field: str
     ) -> ApiError | None:
         """None when the call may proceed, else the answer (401 or 403)."""
+        if self._tls_fields is not None and listen_field not in self._tls_fields:
+            where = (
+                f"/admin/usage is on {HTTPS_LISTEN_FIELD} (HTTPS), the admin API on "
+                "server.admin_listen"
+                if HTTPS_LISTEN_FIELD in self._tls_fields
+                else f"the admin API is on server.admin_listen; set {HTTPS_LISTEN_FIELD} for "
+                "/admin/usage over HTTPS"
+            )
+            return _error(
+                403,
+                f"Operator endpoints are served over TLS only (server.operator_tls is set), not "
+                f"on {listen} ({listen_field}): {where}.",
+                "operator_endpoint_requires_tls",
+            )
         tokens = self._tokens.current()
         if tokens:
             scheme, _, given = (authorization or "").strip().partition(" ")
@@ -168,13 +204,13 @@ class OperatorAuth:
             if not matched:
                 return _error(401, "The operator token is not valid.", "invalid_operator_token")
             return None
-        if is_loopback_listen(listen):
+        if is_loopback_listen(listen) or self.client_certs_on(listen_field):
             return None
         return _error(
             403,
             f"Operator endpoints are refused on {listen} ({listen_field}): it is not a loopback "
-            f"address and no operator token is configured. Set {TOKEN_SETTINGS}, or listen on "
-            "127.0.0.1.",
+            f"address and no operator token is configured. Set {TOKEN_SETTINGS}, or "
+            f"{CLIENT_CA_SETTING} (mutual TLS), or listen on 127.0.0.1.",
             "operator_endpoint_not_exposed",
         )
 
@@ -185,16 +221,26 @@ class OperatorAuth:
         return check
 
     def exposure_warnings(self, listeners: dict[str, str]) -> list[str]:
-        """One line per operator listener that refuses every call (for the start-up log)."""
+        """One line per operator listener that refuses every call (for the start-up log).
+
+        Not for a mutual TLS listener (the certificate authenticates), nor for a plain listener
+        next to operator TLS (refused on purpose: TLS only)."""
         if self.configured:
             return []
-        return [
-            f"{field} is {listen}, not a loopback address, and no operator token is "
-            f"configured: its operator endpoints answer 403 / PERMISSION_DENIED. Set "
-            f"{TOKEN_SETTINGS} to use them there."
-            for field, listen in listeners.items()
-            if not is_loopback_listen(listen)
-        ]
+        tls = self._tls_fields is not None
+        warnings = []
+        for field, listen in listeners.items():
+            if is_loopback_listen(listen) or self.client_certs_on(field):
+                continue
+            if tls and field not in (self._tls_fields or ()):
+                continue  # a plain listener: TLS only, refused on purpose
+            note = " (TLS without client certificates authenticates no one)" if tls else ""
+            warnings.append(
+                f"{field} is {listen}, not a loopback address, and no operator token is "
+                f"configured{note}: its operator endpoints answer 403 / PERMISSION_DENIED. Set "
+                f"{TOKEN_SETTINGS}, or {CLIENT_CA_SETTING} (mutual TLS), to use them there."
+            )
+        return warnings
 
 
 def _metadata_value(metadata: Any, key: str) -> str | None:

@@ -1,7 +1,10 @@
 """`kvgate usage`, `kvgate backends`, `kvgate reload`: a small client of the admin API.
 
 The operator token (when kvgate has one) comes from `--token-file` or the environment variable
-KVGATE_ADMIN_TOKEN, never from the command line (it would show in `ps` and shell history)."""
+KVGATE_ADMIN_TOKEN, never from the command line (it would show in `ps` and shell history).
+For an admin listener with TLS (`server.operator_tls`): `--tls-ca` (the CA that signed kvgate's
+certificate), and for mutual TLS `--tls-cert` / `--tls-key` (a client certificate); each also
+from the environment (KVGATE_ADMIN_TLS_CA, _CERT, _KEY). Any of them turns TLS on."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import asyncio
 import json
 import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +25,71 @@ from kvgate.config import ConfigError
 from kvgate.config.secrets import read_secret_file
 
 TOKEN_ENV = "KVGATE_ADMIN_TOKEN"
+# Flag (argparse dest) -> environment variable; the flag wins.
+TLS_ENV = {
+    "tls_ca": "KVGATE_ADMIN_TLS_CA",
+    "tls_cert": "KVGATE_ADMIN_TLS_CERT",
+    "tls_key": "KVGATE_ADMIN_TLS_KEY",
+    "tls_server_name": "KVGATE_ADMIN_TLS_SERVER_NAME",
+}
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    root_certificates: bytes | None  # None: the system's CAs
+    private_key: bytes | None
+    certificate_chain: bytes | None
+    server_name: str | None  # the name to verify instead of the address's host
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
+        options = (
+            [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else None
+        )
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def _tls_setting(args: argparse.Namespace, dest: str) -> tuple[str | None, str]:
+    """(value, what to name in an error): the flag, else its environment variable."""
+    flag = "--" + dest.replace("_", "-")
+    value = getattr(args, dest, None)
+    if value:
+        return value, flag
+    env = TLS_ENV[dest]
+    return os.environ.get(env) or None, f"{flag} (${env})"
+
+
+def _read_pem(path: str, source: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The TLS settings to call with, or None (plain text) when none is given."""
+    ca, ca_source = _tls_setting(args, "tls_ca")
+    cert, cert_source = _tls_setting(args, "tls_cert")
+    key, key_source = _tls_setting(args, "tls_key")
+    server_name, _ = _tls_setting(args, "tls_server_name")
+    if not (ca or cert or key):
+        if server_name:
+            raise ConfigError("--tls-server-name is for TLS: give --tls-ca too")
+        return None
+    if bool(cert) != bool(key):
+        raise ConfigError(
+            "--tls-cert and --tls-key go together: a client certificate and its private key"
+        )
+    return ClientTls(
+        root_certificates=_read_pem(ca, ca_source) if ca else None,
+        private_key=_read_pem(key, key_source) if key else None,
+        certificate_chain=_read_pem(cert, cert_source) if cert else None,
+        server_name=server_name,
+    )
 
 
 def operator_token(token_file: str | None) -> str | None:
@@ -30,10 +100,16 @@ def operator_token(token_file: str | None) -> str | None:
 
 
 async def _call(
-    address: str, method: str, request: Any, timeout_s: float, token: str | None = None
+    address: str,
+    method: str,
+    request: Any,
+    timeout_s: float,
+    token: str | None = None,
+    tls: ClientTls | None = None,
 ) -> Any:
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    async with grpc.aio.insecure_channel(address) as channel:
+    channel_context = tls.channel(address) if tls else grpc.aio.insecure_channel(address)
+    async with channel_context as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         return await getattr(stub, method)(request, timeout=timeout_s, metadata=metadata)
 
@@ -53,12 +129,13 @@ def _print_usage(usage: admin_pb2.TenantUsage) -> None:
 def run_admin_command(args: argparse.Namespace) -> int:
     try:
         token = operator_token(args.token_file)
+        tls = client_tls(args)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
 
     def call(method: str, request: Any) -> Any:
-        return asyncio.run(_call(args.admin, method, request, args.timeout, token))
+        return asyncio.run(_call(args.admin, method, request, args.timeout, token, tls))
 
     try:
         if args.admin_command == "usage":
@@ -92,6 +169,19 @@ def run_admin_command(args: argparse.Namespace) -> int:
             print(f"reloaded: generation {reply.generation}")
     except grpc.aio.AioRpcError as exc:
         print(f"{args.admin}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        refused = "connection refused" in (exc.details() or "").lower()
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and not refused:
+            print(
+                "  (a TLS handshake that failed looks like this: "
+                + (
+                    "check --tls-ca against kvgate's certificate, and --tls-cert / --tls-key "
+                    "against server.operator_tls.client_ca_file)"
+                    if tls
+                    else "with server.operator_tls, give --tls-ca, and --tls-cert / --tls-key "
+                    "for mutual TLS)"
+                ),
+                file=sys.stderr,
+            )
         return 2
     return 0
 
@@ -108,6 +198,27 @@ def add_admin_commands(subparsers: Any) -> None:
         command.add_argument(
             "--token-file",
             help=f"file holding the operator token (default: ${TOKEN_ENV}, else no token)",
+        )
+        tls = command.add_argument_group(
+            "TLS", "for an admin listener with server.operator_tls; any of these turns TLS on"
+        )
+        tls.add_argument(
+            "--tls-ca",
+            help="CA certificate(s) that signed kvgate's certificate, PEM "
+            f"(default: ${TLS_ENV['tls_ca']}, else the system's CAs)",
+        )
+        tls.add_argument(
+            "--tls-cert",
+            help=f"client certificate for mutual TLS, PEM (default: ${TLS_ENV['tls_cert']})",
+        )
+        tls.add_argument(
+            "--tls-key",
+            help=f"its private key, PEM (default: ${TLS_ENV['tls_key']})",
+        )
+        tls.add_argument(
+            "--tls-server-name",
+            help="the name kvgate's certificate must carry, when it is not the --admin host "
+            f"(e.g. through a port-forward; default: ${TLS_ENV['tls_server_name']})",
         )
         if name != "reload":
             command.add_argument("--json", action="store_true")

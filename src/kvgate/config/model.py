@@ -31,6 +31,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class OperatorTlsConfig(_Strict):
+    """TLS on the operator listeners (server.admin_listen, server.operator_https_listen): PEM
+    files, e.g. a cert-manager Secret volume (tls.crt, tls.key, ca.crt), re-read whenever they
+    change. With `client_ca_file`, clients must present a certificate that CA signed (mutual
+    TLS), and that certificate authenticates them."""
+
+    cert_file: str = Field(min_length=1, description="the server certificate (chain), PEM")
+    key_file: str = Field(min_length=1, description="its private key, PEM, not encrypted")
+    client_ca_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="CA certificate(s), PEM, for client certificates: set, mutual TLS",
+    )
+
+
 class ServerConfig(_Strict):
     grpc_listen: str = "127.0.0.1:50051"
     http_listen: str = "127.0.0.1:9464"
@@ -72,14 +87,31 @@ class ServerConfig(_Strict):
     # either token is accepted (a rotation: the new one in the file, the old one in the env).
     admin_token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     admin_token_file: str | None = Field(default=None, min_length=1)
+    # TLS for the operator surfaces: the admin gRPC listener, and /admin/usage on its own
+    # HTTPS listener (`operator_https_listen`, optional). /metrics, /healthz and /readyz stay
+    # plain HTTP on `http_listen`, which then refuses /admin/usage (TLS only). With a client CA
+    # (mutual TLS) a client certificate authenticates the caller, on any address; a token, if
+    # also set, is required as well.
+    operator_tls: OperatorTlsConfig | None = None
+    operator_https_listen: str | None = None
 
-    @field_validator("grpc_listen", "http_listen", "admin_listen")
+    @field_validator("grpc_listen", "http_listen", "admin_listen", "operator_https_listen")
     @classmethod
-    def _host_port(cls, value: str) -> str:
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ValueError("must be HOST:PORT with a port from 0 (any free port) to 65535")
         return value
+
+    @model_validator(mode="after")
+    def _https_needs_tls(self) -> ServerConfig:
+        if self.operator_https_listen is not None and self.operator_tls is None:
+            raise ValueError(
+                "operator_https_listen needs operator_tls (cert_file and key_file) to serve HTTPS"
+            )
+        return self
 
 
 class RequestRateConfig(_Strict):

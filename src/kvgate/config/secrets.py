@@ -71,12 +71,16 @@ def redis_passwords(config: KvgateConfig) -> tuple[str | None, str | None]:
 
 
 def check_secrets(config: KvgateConfig) -> list[str]:
-    """Every secret the config names that cannot be read (for `kvgate check-config`)."""
+    """Every secret the config names that cannot be read or used (for `kvgate check-config`):
+    the operator token, the operator TLS certificate, key and client CA, Redis passwords."""
     from kvgate.admin.auth import load_operator_tokens  # the admin package imports config
+    from kvgate.admin.tls import OperatorTls
 
+    tls = config.server.operator_tls
     problems = []
     for check in (
         lambda: load_operator_tokens(config.server),
+        lambda: OperatorTls(tls) if tls is not None else None,  # readable, key matches
         lambda: redis_passwords(config) if config.uses_redis else None,
     ):
         try:
