@@ -192,6 +192,24 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "tracing.service_name": {"tracing.service_name": "gateway-b"},
     "tracing.sample_ratio": {"tracing.sample_ratio": 0.5},
     "tracing.tenant_attribute": {"tracing.tenant_attribute": True},
+    # Operator TLS (the files are not read: the refusal comes first).
+    "server.operator_https_listen": {
+        "server.operator_https_listen": "127.0.0.1:4",
+        "server.operator_tls": {"cert_file": "/tls/tls.crt", "key_file": "/tls/tls.key"},
+    },
+    "server.operator_tls.cert_file": {
+        "server.operator_tls": {"cert_file": "/tls/tls.crt", "key_file": "/tls/tls.key"}
+    },
+    "server.operator_tls.key_file": {
+        "server.operator_tls": {"cert_file": "/tls/tls.crt", "key_file": "/tls/tls.key"}
+    },
+    "server.operator_tls.client_ca_file": {
+        "server.operator_tls": {
+            "cert_file": "/tls/tls.crt",
+            "key_file": "/tls/tls.key",
+            "client_ca_file": "/tls/ca.crt",
+        }
+    },
 }
 
 
