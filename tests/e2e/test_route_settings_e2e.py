@@ -67,6 +67,18 @@ def envoy_config_with_route_settings() -> dict[str, Any]:
     vhosts.insert(0, with_route_settings("trial.local", trial, catch_all))
     nowhere = {"x-kvgate-route-backend": "no-such-backend"}
     vhosts.insert(0, with_route_settings("nowhere.local", nowhere, catch_all))
+    # Clients written for Azure OpenAI send the key in `api-key`: the operator names it for
+    # the route and adds it to the ext_proc filter's mutation allow-list, so kvgate can
+    # remove it before the request goes upstream.
+    azure = {"x-kvgate-route": "azure", "x-kvgate-route-key-header": "api-key"}
+    vhosts.insert(0, with_route_settings("azure.local", azure, catch_all))
+    # The same with a header the allow-list does not have: kvgate cannot remove it.
+    leaky = {"x-kvgate-route-key-header": "team-key"}
+    vhosts.insert(0, with_route_settings("leaky.local", leaky, catch_all))
+    for http_filter in hcm["http_filters"]:
+        if http_filter["name"] == "envoy.filters.http.ext_proc":
+            rules = http_filter["typed_config"]["mutation_rules"]["allow_expression"]
+            rules["regex"] += "|api-key"
     return config
 
 
@@ -219,3 +231,42 @@ def _shadow_rejections(text: str, tenant: str) -> float:
         for sample in family.samples
         if sample.name == "kvgate_shadow_rejections_total" and sample.labels.get("tenant") == tenant
     )
+
+
+def _sim_requests(stack: Stack) -> list[dict[str, Any]]:
+    return httpx.get(f"{stack.sim_url}/sim/requests?limit=1000", timeout=5).json()["requests"]
+
+
+def test_a_route_reads_the_key_from_its_own_header_and_never_forwards_it(stack: Stack) -> None:
+    before = len(_sim_requests(stack))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    resp = httpx.post(
+        stack.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"api-key": TEAM_A_KEY, "host": "azure.local"},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    [seen] = _sim_requests(stack)[before:]
+    assert "api-key" not in {name.lower() for name in seen["headers"]}, seen["headers"]
+    # On that route the usual headers are not read: the key is where the route says.
+    bearer = post(stack, "azure.local", TEAM_A_KEY)
+    assert bearer.status_code == 401, bearer.text
+    assert "api-key header" in bearer.json()["error"]["message"]
+
+
+def test_a_key_header_kvgate_may_not_remove_fails_closed(stack: Stack) -> None:
+    """The route names a header that is not in the mutation allow-list: Envoy refuses
+    kvgate's removal (disallow_is_error), so the request fails instead of carrying the
+    tenant's key to the backend."""
+    before = len(_sim_requests(stack))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    resp = httpx.post(
+        stack.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"team-key": TEAM_A_KEY, "host": "leaky.local"},
+        timeout=30,
+    )
+    assert resp.status_code >= 500, resp.text
+    assert "error" in resp.json()
+    assert len(_sim_requests(stack)) == before

@@ -23,6 +23,7 @@ def test_settings_are_read_and_other_metadata_ignored() -> None:
             ("x-kvgate-route-priority", " -5 "),
             ("x-kvgate-route-backend", "batch-pool"),
             ("x-kvgate-route-shadow", "TRUE"),
+            ("x-kvgate-route-key-header", "team-key"),
         ]
     )
     assert settings == RouteSettings(
@@ -32,6 +33,7 @@ def test_settings_are_read_and_other_metadata_ignored() -> None:
         priority=-5,
         backend="batch-pool",
         shadow=True,
+        key_header="team-key",
     )
     assert settings.allows_model("small-model") and not settings.allows_model("big-model")
     assert settings.allows_tenant("team-a") and not settings.allows_tenant("team-b")
@@ -57,6 +59,10 @@ def test_no_settings_restrict_nothing() -> None:
         ([("x-kvgate-route-priority", "1e3")], "x-kvgate-route-priority"),
         ([("x-kvgate-route-backend", "pool/10.0.0.1:80")], "x-kvgate-route-backend"),
         ([("x-kvgate-route-shadow", "yes")], "x-kvgate-route-shadow"),
+        ([("x-kvgate-route-key-header", "Api-Key")], "x-kvgate-route-key-header"),
+        ([("x-kvgate-route-key-header", "x-envoy-key")], "x-kvgate-route-key-header"),
+        ([("x-kvgate-route-key-header", "host")], "x-kvgate-route-key-header"),
+        ([("x-kvgate-route-key-header", ":authority")], "x-kvgate-route-key-header"),
         (
             [("x-kvgate-route-tenants", ",".join(f"t{i}" for i in range(300)))],
             "x-kvgate-route-tenants",

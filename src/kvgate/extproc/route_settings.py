@@ -14,6 +14,7 @@ initial metadata of the stream Envoy opens to kvgate:
             - { key: x-kvgate-route-priority, value: "10" }  # class in a pool's queue
             - { key: x-kvgate-route-backend, value: batch-pool }  # instead of the model's
             - { key: x-kvgate-route-shadow, value: "true" }  # tenant limits not enforced
+            - { key: x-kvgate-route-key-header, value: api-key }  # where the key is
 
 Envoy merges the override of the route a request first matches (before kvgate's decision
 re-routes it), so the settings belong on the routes that match requests on their way in.
@@ -40,7 +41,22 @@ BACKEND_KEY = f"{PREFIX}-backend"
 # "true": the tenant's limits (RPM, TPM, concurrency, budgets) are decided and recorded on
 # this route but not enforced; the KV budget always is.
 SHADOW_KEY = f"{PREFIX}-shadow"
-KNOWN_KEYS = frozenset({NAME_KEY, MODELS_KEY, TENANTS_KEY, PRIORITY_KEY, BACKEND_KEY, SHADOW_KEY})
+# The request header that carries the tenant's API key on this route (e.g. `api-key` for
+# clients written for Azure OpenAI), instead of Authorization / x-api-key. kvgate removes
+# it before the request goes upstream, so it must be in the ext_proc filter's
+# mutation_rules allow-list; with disallow_is_error (the shipped configs) a header outside
+# it fails the request closed instead of leaking the key.
+KEY_HEADER_KEY = f"{PREFIX}-key-header"
+KNOWN_KEYS = frozenset(
+    {NAME_KEY, MODELS_KEY, TENANTS_KEY, PRIORITY_KEY, BACKEND_KEY, SHADOW_KEY, KEY_HEADER_KEY}
+)
+# A lowercase HTTP field name; not a pseudo-header, not one Envoy or kvgate owns, not one
+# that routes or frames the message.
+_HEADER = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+_NOT_KEY_PREFIXES = ("x-envoy-", "x-kvgate-", "content-")
+_NOT_KEY_NAMES = frozenset(
+    {"host", "te", "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer"}
+)
 _PRIORITY = re.compile(r"^-?[0-9]{1,3}$")
 # Backend names are Envoy cluster names (config.model.BackendConfig).
 _BACKEND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -68,6 +84,7 @@ class RouteSettings:
     priority: int | None = None
     backend: str | None = None
     shadow: bool = False
+    key_header: str | None = None
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -105,7 +122,21 @@ def parse_route_settings(metadata: Iterable[tuple[str, str | bytes]]) -> RouteSe
         priority=_priority(seen.get(PRIORITY_KEY)),
         backend=_backend(seen.get(BACKEND_KEY)),
         shadow=_flag(SHADOW_KEY, seen.get(SHADOW_KEY)),
+        key_header=_key_header(seen.get(KEY_HEADER_KEY)),
     )
+
+
+def _key_header(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = value.strip()
+    if not _HEADER.match(name) or name.startswith(_NOT_KEY_PREFIXES) or name in _NOT_KEY_NAMES:
+        raise RouteSettingsError(
+            KEY_HEADER_KEY,
+            "must be a lowercase header name that is not Envoy's, kvgate's or a connection "
+            "or content header",
+        )
+    return name
 
 
 def _backend(value: str | None) -> str | None:

@@ -100,7 +100,14 @@ def _path_only(path: str) -> str:
     return path.split("?", 1)[0]
 
 
-def _api_key(headers: dict[str, str]) -> str | None:
+def _api_key(headers: dict[str, str], key_header: str | None = None) -> str | None:
+    if key_header is not None:
+        # The route names the one header its clients put the key in (raw, or "Bearer KEY").
+        value = headers.get(key_header, "").strip(_OWS)
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() == "bearer":
+            value = token.strip(_OWS)
+        return value or None
     auth = headers.get("authorization", "")
     scheme, _, token = auth.strip(_OWS).partition(" ")
     token = token.strip(_OWS)
@@ -253,9 +260,15 @@ class StreamSession:
                 api_errors.route_misconfigured(route.key), Answer.ROUTE_MISCONFIGURED
             )
 
-        key = _api_key(headers)
+        key = _api_key(headers, route.key_header)
+        # The tenant's credentials never go upstream, wherever the route says they are.
+        credentials = (
+            (*CREDENTIAL_HEADERS, route.key_header) if route.key_header else CREDENTIAL_HEADERS
+        )
         if key is None:
-            return self._reject(api_errors.missing_api_key(), Answer.MISSING_API_KEY)
+            return self._reject(
+                api_errors.missing_api_key(route.key_header), Answer.MISSING_API_KEY
+            )
         tenant = self._snapshot.tenants_by_key_hash.get(hash_api_key(key))
         if tenant is None:
             return self._reject(api_errors.invalid_api_key(), Answer.INVALID_API_KEY)
@@ -285,7 +298,7 @@ class StreamSession:
             self.phase = Phase.PASSTHROUGH
             self._svc.metrics.requests.labels("passthrough", Answer.PASSTHROUGH.value).inc()
             reply = messages.continue_request_headers(
-                {"x-kvgate-tenant": tenant}, [*forged, *CREDENTIAL_HEADERS], skip_rest=True
+                {"x-kvgate-tenant": tenant}, [*forged, *credentials], skip_rest=True
             )
             reply.dynamic_metadata.CopyFrom(messages.metadata(self._metadata("passthrough")))
             return reply
@@ -314,7 +327,7 @@ class StreamSession:
         self._priority = priority
         self.phase = Phase.REQUEST_BODY
         return messages.continue_request_headers(
-            {"x-kvgate-tenant": tenant}, [*forged, *CREDENTIAL_HEADERS]
+            {"x-kvgate-tenant": tenant}, [*forged, *credentials]
         )
 
     def _requested_priority(self, headers: dict[str, str], tenant: str) -> int | ApiError:

@@ -111,15 +111,20 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return ApiError(400, message, INVALID_REQUEST_ERROR, code, param)
 
 
-def missing_api_key() -> ApiError:
-    """401: no credential at all.
+def missing_api_key(header: str | None = None) -> ApiError:
+    """401: no credential at all (in `header`, when the route names where the key goes).
 
     OpenAI answers this case with ``code: null``; so do we.
     """
+    where = (
+        f"Provide it in the {clip(header)} header."
+        if header
+        else "Provide it in the Authorization header using Bearer auth "
+        "(Authorization: Bearer YOUR_KEY)."
+    )
     return ApiError(
         401,
-        "You didn't provide an API key. Provide it in the Authorization header "
-        "using Bearer auth (Authorization: Bearer YOUR_KEY).",
+        f"You didn't provide an API key. {where}",
         INVALID_REQUEST_ERROR,
         None,
         None,
