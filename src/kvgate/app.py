@@ -24,6 +24,11 @@ from kvgate.admin.auth import (
 from kvgate.admin.service import AdminService
 from kvgate.admin.tls import OperatorTls
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
+from kvgate.cache.idempotency import (
+    IdempotencyStore,
+    MemoryIdempotencyStore,
+    RedisIdempotencyStore,
+)
 from kvgate.capacity.pools import PoolRegistry
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
@@ -103,6 +108,9 @@ class KvgateServer:
         # None when tracing is off; enabled without the `otel` extra: ConfigError naming it.
         # span_exporter replaces the OTLP exporter (tests).
         self.tracing = build_tracing(config.tracing, exporter=span_exporter)
+        self._idempotency_store: IdempotencyStore = MemoryIdempotencyStore(
+            config.idempotency.memory_max_bytes
+        )
         self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
@@ -140,6 +148,7 @@ class KvgateServer:
                 on_released=self._released,
             ),
             scheduler=self.scheduler,
+            idempotency=self._idempotency_store,
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -189,6 +198,10 @@ class KvgateServer:
         )
         shared = RedisStore.from_settings(
             settings, lease_ttl_s=config.server.lease_ttl_s, on_lease_expired=self._lease_expired
+        )
+        # Idempotency keys live beside the ledgers, under the same hash tag.
+        self._idempotency_store = RedisIdempotencyStore(
+            shared.client, shared.key_tag, timeout_s=redis_cfg.timeout_s
         )
         return FallbackStore(
             shared,

@@ -156,6 +156,12 @@ FIELD_CLASSES: dict[str, str] = {
         )
     },
     "tenants.*.priority": RELOAD,
+    # Read per request from the snapshot; the store itself is built at start.
+    "idempotency.enabled": RELOAD,
+    "idempotency.retention_s": RELOAD,
+    "idempotency.max_wait_s": RELOAD,
+    "idempotency.max_answer_bytes": RELOAD,
+    "idempotency.memory_max_bytes": RESTART,
     "tenants.*.allowed_priorities": RELOAD,
 }
 

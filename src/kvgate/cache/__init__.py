@@ -1,5 +1,9 @@
-"""Answers served once (issue 12): the semantic cache's foundations.
+"""Answers served once (issue 12).
 
+:mod:`kvgate.cache.idempotency` keeps one generation per (tenant, Idempotency-Key) and
+replays its answer (memory, or Redis shared by replicas).
+
+The semantic cache's foundations:
 :mod:`kvgate.cache.embeddings` turns question texts into L2-normalised vectors: offline
 with WordLlama's 256-dimensional weights (the ``semantic`` extra), or through an
 OpenAI-compatible ``POST /v1/embeddings`` endpoint (vLLM serving an embedding model). Nothing

@@ -524,6 +524,21 @@ class TracingConfig(_Strict):
     tenant_attribute: bool = False
 
 
+class IdempotencyConfig(_Strict):
+    """Idempotency-Key on chat and completions requests (one generation per tenant and key)."""
+
+    enabled: bool = True
+    # How long a completed answer is replayed for a duplicate.
+    retention_s: float = Field(default=86_400.0, gt=0)
+    # How long a duplicate waits for the first request still running (then 409 + Retry-After);
+    # like a pool queue's wait, within server.envoy_max_message_timeout_s.
+    max_wait_s: float = Field(default=10.0, gt=0, le=3600)
+    # An answer larger than this is not kept: a duplicate after completion gets 409.
+    max_answer_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    # The memory store's bound (all keys of this process); Redis keeps its own.
+    memory_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+
+
 class KvgateConfig(_Strict):
     server: ServerConfig = ServerConfig()
     # "memory" (one process) or a Redis URL (redis://[[user]:password@]host:port/db or
@@ -534,6 +549,7 @@ class KvgateConfig(_Strict):
     models: list[ModelConfig]
     backends: list[BackendConfig]
     tracing: TracingConfig = TracingConfig()
+    idempotency: IdempotencyConfig = IdempotencyConfig()
 
     @field_validator("store")
     @classmethod
@@ -583,6 +599,13 @@ class KvgateConfig(_Strict):
                     "configured model"
                 )
         server = self.server
+        waited = self.idempotency.max_wait_s + server.decision_timeout_s + QUEUE_DEADLINE_MARGIN_S
+        if self.idempotency.enabled and waited > server.envoy_max_message_timeout_s:
+            raise ValueError(
+                f"idempotency.max_wait_s: {self.idempotency.max_wait_s:g} s + "
+                f"server.decision_timeout_s + {QUEUE_DEADLINE_MARGIN_S:g} s is over "
+                f"server.envoy_max_message_timeout_s ({server.envoy_max_message_timeout_s:g} s)"
+            )
         for i, backend in enumerate(self.backends):
             queue = backend.queue
             if queue is not None and (

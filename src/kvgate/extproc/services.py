@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
+from kvgate.cache.idempotency import IdempotencyStore, MemoryIdempotencyStore
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
 from kvgate.config.snapshot import RuntimeSnapshot
@@ -52,8 +53,13 @@ class GatewayServices:
         leases: LeaseKeeper,
         settler: Settler,
         scheduler: PoolScheduler | None = None,
+        idempotency: IdempotencyStore | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # Idempotency-Key answers (memory, or Redis shared by replicas).
+        self.idempotency: IdempotencyStore = idempotency or MemoryIdempotencyStore(
+            snapshots.current.config.idempotency.memory_max_bytes
+        )
         self.snapshots = snapshots
         self.store = store
         self.tokenizers = tokenizers

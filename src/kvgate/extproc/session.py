@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from redis.exceptions import RedisError
 
 from kvgate.config import hash_api_key
 from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
@@ -40,6 +41,7 @@ from kvgate.extproc.route_settings import (
 )
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Rejected, Rejection, ResponseMeter, ResponseReading, Ticket
+from kvgate.lifecycle.idempotency import IdempotentRun, KeyVerdict, claim_key
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
 from kvgate.openai import errors as api_errors
@@ -64,6 +66,7 @@ HEADER_PREFIX = "x-kvgate-"
 DESTINATION_HEADER = "x-kvgate-destination"
 # The priority class a request asks for in a pool's queue (allowed per tenant).
 PRIORITY_HEADER = "kvgate-priority"
+IDEMPOTENCY_HEADER = "idempotency-key"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
@@ -172,6 +175,9 @@ class StreamSession:
         # A pool's queue: the request's priority class, the decision deadline kvgate moves
         # while it waits, and the extension for Envoy (see handle_with_interim).
         self._priority = 0
+        # Idempotency-Key: the client's key, and this request's run when it holds it.
+        self._idempotency_key: str | None = None
+        self._idempotent_run: IdempotentRun | None = None
         self._deadline: asyncio.Timeout | None = None
         self._interim: asyncio.Future[pb.ProcessingResponse] | None = None
 
@@ -325,6 +331,19 @@ class StreamSession:
         if isinstance(priority, ApiError):
             return self._reject(priority, Answer.INVALID_REQUEST)
         self._priority = priority
+        key = headers.get(IDEMPOTENCY_HEADER)
+        if key is not None and self._snapshot.config.idempotency.enabled:
+            key = key.strip(_OWS)
+            if not 1 <= len(key) <= 255 or not key.isascii() or not key.isprintable():
+                return self._reject(
+                    api_errors.invalid_request(
+                        "The Idempotency-Key header must be 1 to 255 printable ASCII characters.",
+                        api_errors.IDEMPOTENCY_HEADER,
+                        "invalid_value",
+                    ),
+                    Answer.INVALID_REQUEST,
+                )
+            self._idempotency_key = key
         self.phase = Phase.REQUEST_BODY
         return messages.continue_request_headers(
             {"x-kvgate-tenant": tenant}, [*forged, *credentials]
@@ -442,15 +461,27 @@ class StreamSession:
             # OpenAI's answer for a model a key may not use: it "does not exist or you do not
             # have access to it".
             raise _RouteRefusal(api_errors.model_not_found(request.model))
-        ticket = await self._svc.admission(self._snapshot).admit(
-            request,
-            self._tenant_policy,
-            self.request_id,
-            _admission_id(self.request_id),
-            priority=self._priority,
-            on_queued=self._on_queued,
-            backend=route.backend if isinstance(route, RouteSettings) else None,
-        )
+        admission_id = _admission_id(self.request_id)
+        if self._idempotency_key is not None:
+            answered = await self._claim_idempotency_key(request, admission_id)
+            if answered is not None:
+                return answered
+        try:
+            ticket = await self._svc.admission(self._snapshot).admit(
+                request,
+                self._tenant_policy,
+                self.request_id,
+                admission_id,
+                priority=self._priority,
+                on_queued=self._on_queued,
+                backend=route.backend if isinstance(route, RouteSettings) else None,
+            )
+        except BaseException:
+            # Refused, or the client left: nothing ran, so a retry with the key runs anew.
+            if self._idempotent_run is not None:
+                self._idempotent_run.abandon()
+                self._idempotent_run = None
+            raise
         # Exact output counts need the usage event; when the client did not ask for it, the
         # response meter strips it again before the client sees it. An observing stream
         # cannot strip anything, so in the split layout nothing is injected.
@@ -502,7 +533,7 @@ class StreamSession:
         must be able to send Envoy a message-timeout extension before the reply."""
         return (
             self.phase is Phase.REQUEST_BODY
-            and bool(self._snapshot.queued_pools)
+            and (bool(self._snapshot.queued_pools) or self._idempotency_key is not None)
             and message.WhichOneof("request") == "request_body"
         )
 
@@ -528,6 +559,66 @@ class StreamSession:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def _claim_idempotency_key(
+        self, request: ParsedRequest, owner: str
+    ) -> pb.ProcessingResponse | None:
+        """Run (None: admission goes on), or answer from the key: the stored answer, 422
+        for another body, 409 while the first request still runs."""
+        assert self._idempotency_key is not None and self.tenant is not None
+        if self._answer_seen_elsewhere:
+            # The split layout's request path never sees the answer: it cannot be kept.
+            return None
+        store = self._svc.idempotency
+        settings = self._snapshot.config.idempotency
+        try:
+            outcome = await claim_key(
+                store,
+                settings,
+                tenant=self.tenant,
+                key=self._idempotency_key,
+                body=request.body,
+                owner=owner,
+                lock_ttl_s=self._snapshot.config.server.lease_ttl_s,
+                on_wait=self._on_queued,
+                track=self._svc.track,
+            )
+        except (TimeoutError, RedisError, OSError) as exc:
+            config = self._snapshot.config
+            if config.uses_redis and config.redis.failure_policy == "fail_closed":
+                raise Rejected(
+                    Rejection(
+                        Reason.STORE_UNAVAILABLE,
+                        "kvgate cannot reach its shared state store to check this "
+                        "Idempotency-Key. Please retry.",
+                        retry_after_s=config.redis.unavailable_retry_after_s,
+                    )
+                ) from exc
+            log.warning("idempotency store unavailable; the request runs unchecked: %s", exc)
+            return None
+        metrics = self._svc.metrics
+        if isinstance(outcome, IdempotentRun):
+            self._idempotent_run = outcome
+            metrics.idempotent_requests.labels("started").inc()
+            return None
+        if outcome.verdict is KeyVerdict.REPLAY:
+            assert outcome.answer is not None
+            answer = outcome.answer
+            metrics.idempotent_requests.labels("replayed").inc()
+            metrics.requests.labels("answered", "idempotent_replay").inc()
+            self.phase = Phase.REJECTED  # answered by kvgate: nothing to meter
+            return messages.immediate_response(
+                answer.status,
+                answer.body,
+                {"content-type": answer.content_type, "idempotent-replayed": "true"},
+                details="kvgate_idempotent_replay",
+                dynamic_metadata=self._metadata("idempotent_replay"),
+            )
+        if outcome.verdict is KeyVerdict.MISMATCH:
+            metrics.idempotent_requests.labels("key_reused").inc()
+            raise api_errors.idempotency_key_reused()
+        metrics.idempotent_requests.labels("in_progress").inc()
+        raise api_errors.idempotency_key_in_progress(retry_after_s=1)
 
     async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
         if len(body) <= PARSE_OFF_LOOP_BYTES:
@@ -593,6 +684,8 @@ class StreamSession:
             status = 0
         content_type = headers.get("content-type", "")
         self._meter.on_headers(status, content_type)
+        if self._idempotent_run is not None:
+            self._idempotent_run.on_headers(status, content_type)
         self.phase = Phase.RESPONSE
         if http.end_of_stream:
             # A body-less answer (e.g. an upstream error with no body): settle now.
@@ -608,6 +701,8 @@ class StreamSession:
         if not self.phase.unsettled or self._meter is None:
             return messages.continue_response_body()
         replacement = self._meter.on_chunk(http.body, end_of_stream=http.end_of_stream)
+        if self._idempotent_run is not None:
+            self._idempotent_run.on_chunk(http.body if replacement is None else replacement)
         if not http.end_of_stream:
             return messages.continue_response_body(replacement)
         cause = self._end_cause()
@@ -663,11 +758,16 @@ class StreamSession:
         # The store write is a tracked task of its own: it lands whatever happens to this
         # stream, and the answer's last chunk does not wait for it (a Redis round trip).
         charged, _ = self._svc.settler.settle(ticket, cause, reading)
+        if self._idempotent_run is not None:
+            self._idempotent_run.finish(cause)
         return charged
 
     def close(self, *, shutting_down: bool) -> None:
         """The gRPC stream ended. If the request was admitted and not settled, the client
         went away (or Envoy gave up): settle with what was seen so far."""
+        if self._idempotent_run is not None and self.phase is not Phase.SETTLED:
+            # Cut before its answer ended: a retry with the key runs anew.
+            self._idempotent_run.abandon()
         if not self.phase.unsettled or self.ticket is None:
             return
         self._svc.metrics.stream_disconnects.labels(self.phase.value).inc()

@@ -234,6 +234,13 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        self.idempotent_requests = Counter(
+            "kvgate_idempotent_requests",
+            "Requests with an Idempotency-Key by what kvgate did: started (ran), replayed "
+            "(the stored answer), key_reused (422, another body), in_progress (409).",
+            ["result"],
+            registry=r,
+        )
         self.queue_length = Gauge(
             "kvgate_queue_length",
             "Requests waiting for room in a pool, by priority class.",

@@ -262,6 +262,35 @@ def rate_limited(
 # --------------------------------------------------------------------------- 5xx
 
 
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+def idempotency_key_reused() -> ApiError:
+    """422: the key was used before with another request body
+    (draft-ietf-httpapi-idempotency-key-header)."""
+    return ApiError(
+        422,
+        "This Idempotency-Key was already used with a different request body. Use a new "
+        "key for a new request.",
+        INVALID_REQUEST_ERROR,
+        "idempotency_key_reused",
+        IDEMPOTENCY_HEADER,
+    )
+
+
+def idempotency_key_in_progress(retry_after_s: float) -> ApiError:
+    """409: the first request with this key is still running after the wait bound."""
+    return ApiError(
+        409,
+        "A request with this Idempotency-Key is still being processed. Retry later to "
+        "receive its answer.",
+        INVALID_REQUEST_ERROR,
+        "idempotency_key_in_progress",
+        IDEMPOTENCY_HEADER,
+        _retry_headers(retry_after_s),
+    )
+
+
 def service_unavailable(
     message: str = "The server is temporarily unable to handle the request. Please retry.",
     retry_after_s: float | None = None,

@@ -376,6 +376,11 @@ class RedisStore:
     def key_tag(self) -> str:
         return self._tag
 
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        """The connection pool (shared with the idempotency keys, under the same tag)."""
+        return self._client
+
     # ------------------------------------------------------------------ plumbing
 
     async def _bounded(self, op: str, call: Callable[[], Awaitable[_T]]) -> _T:
