@@ -23,9 +23,17 @@ TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 SLOW = {"x-sim-output-tokens": "30", "x-sim-itl-ms": "30"}  # ~1 s of generation
 
 
+OTHER_KEY = "sk-other-tenant"
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with Stack() as running:
+    with Stack(
+        tenants=[
+            {"name": "demo", "api_key": "sk-kvgate-demo"},
+            {"name": "other", "api_key": OTHER_KEY},
+        ]
+    ) as running:
         yield running
 
 
@@ -154,6 +162,30 @@ def test_a_cut_first_attempt_lets_the_retry_run_and_the_retry_is_kept(stack: Sta
     again = _post(stack, key, _body("a long answer"))
     assert again.headers.get("idempotent-replayed") == "true" and again.content == retry.content
     assert _arrived(stack) == arrived + 2
+
+
+def test_another_tenants_key_is_another_key(stack: Stack) -> None:
+    """Tenant B sending the key (and body) tenant A used gets its own generation, never A's
+    stored answer, and pays for it itself."""
+    key = f"shared-{uuid.uuid4()}"
+    first = _post(stack, key, _body("whose answer?"))
+    assert first.status_code == 200, first.text
+    arrived, other_before = _arrived(stack), tenant_totals(stack, "other")
+    theirs = httpx.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json=_body("whose answer?"),
+        headers={"authorization": f"Bearer {OTHER_KEY}", "idempotency-key": key},
+        timeout=TIMEOUT,
+    )
+    assert theirs.status_code == 200, theirs.text
+    assert "idempotent-replayed" not in theirs.headers
+    assert theirs.json()["id"] != first.json()["id"]
+    assert _arrived(stack) == arrived + 1
+    wait_until(
+        lambda: tenant_totals(stack, "other"),
+        lambda t: t["requests"] == other_before["requests"] + 1,
+        timeout=10,
+    )
 
 
 def test_a_malformed_key_is_a_400(stack: Stack) -> None:
