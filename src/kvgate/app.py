@@ -111,6 +111,9 @@ class KvgateServer:
         self._idempotency_store: IdempotencyStore = MemoryIdempotencyStore(
             config.idempotency.memory_max_bytes
         )
+        self._response_cache_store: IdempotencyStore = MemoryIdempotencyStore(
+            config.response_cache.memory_max_bytes
+        )
         self.store: StateStore = self._build_store(config)
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
@@ -149,6 +152,7 @@ class KvgateServer:
             ),
             scheduler=self.scheduler,
             idempotency=self._idempotency_store,
+            response_cache=self._response_cache_store,
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -203,6 +207,8 @@ class KvgateServer:
         self._idempotency_store = RedisIdempotencyStore(
             shared.client, shared.key_tag, timeout_s=redis_cfg.timeout_s
         )
+        # Cache entries too (keys "cache|...", with their TTL): shared by every replica.
+        self._response_cache_store = self._idempotency_store
         return FallbackStore(
             shared,
             local,

@@ -162,6 +162,15 @@ FIELD_CLASSES: dict[str, str] = {
     "idempotency.max_wait_s": RELOAD,
     "idempotency.max_answer_bytes": RELOAD,
     "idempotency.memory_max_bytes": RESTART,
+    "response_cache.enabled": RELOAD,
+    "response_cache.ttl_s": RELOAD,
+    "response_cache.scope": RELOAD,
+    "response_cache.sampled": RELOAD,
+    "response_cache.hit_charge": RELOAD,
+    "response_cache.max_answer_bytes": RELOAD,
+    "response_cache.memory_max_bytes": RESTART,
+    "tenants.*.response_cache": RELOAD,
+    "tenants.*.response_cache_sampled": RELOAD,
     "tenants.*.allowed_priorities": RELOAD,
 }
 

@@ -160,6 +160,7 @@ def _set(config: dict[str, Any], path: str, value: Any) -> None:
 RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "server.grpc_listen": {"server.grpc_listen": "127.0.0.1:1"},
     "idempotency.memory_max_bytes": {"idempotency.memory_max_bytes": 2 * 1024 * 1024},
+    "response_cache.memory_max_bytes": {"response_cache.memory_max_bytes": 2 * 1024 * 1024},
     "server.http_listen": {"server.http_listen": "127.0.0.1:2"},
     "server.admin_listen": {"server.admin_listen": "127.0.0.1:3"},
     "server.lease_ttl_s": {"server.lease_ttl_s": 60.0},

@@ -34,16 +34,32 @@ class StoredAnswer:
     status: int
     content_type: str
     body: bytes
+    # What producing it took (kvgate's settlement): what a cache hit saves, or is charged.
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
     def encode(self) -> bytes:
-        head = json.dumps({"s": self.status, "t": self.content_type}).encode()
+        head = json.dumps(
+            {
+                "s": self.status,
+                "t": self.content_type,
+                "p": self.prompt_tokens,
+                "o": self.output_tokens,
+            }
+        ).encode()
         return len(head).to_bytes(4, "big") + head + self.body
 
     @classmethod
     def decode(cls, data: bytes) -> StoredAnswer:
         size = int.from_bytes(data[:4], "big")
         head = json.loads(data[4 : 4 + size])
-        return cls(status=int(head["s"]), content_type=str(head["t"]), body=data[4 + size :])
+        return cls(
+            status=int(head["s"]),
+            content_type=str(head["t"]),
+            body=data[4 + size :],
+            prompt_tokens=int(head.get("p", 0)),
+            output_tokens=int(head.get("o", 0)),
+        )
 
 
 class ClaimState(enum.Enum):

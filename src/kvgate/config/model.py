@@ -191,6 +191,9 @@ class TenantConfig(_Strict):
     # classes its requests may ask for with the `kvgate-priority` header.
     priority: int = Field(default=0, ge=-100, le=100)
     allowed_priorities: list[int] = Field(default_factory=list)
+    # The response cache for this tenant: None follows response_cache.enabled / .sampled.
+    response_cache: bool | None = None
+    response_cache_sampled: bool | None = None
     api_key_sha256: list[str] | str = Field(
         description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`."
     )
@@ -524,6 +527,24 @@ class TracingConfig(_Strict):
     tenant_attribute: bool = False
 
 
+class ResponseCacheConfig(_Strict):
+    """Exact-match answers: the same model and request again -> the stored answer."""
+
+    enabled: bool = False
+    ttl_s: float = Field(default=3600.0, gt=0)
+    # tenant: a tenant's entries serve only that tenant; model: every tenant of the model
+    # (identical requests by different tenants share the answer).
+    scope: Literal["tenant", "model"] = "tenant"
+    # Only deterministic requests (temperature 0) by default: a sampled answer served from
+    # cache is the same sample again, which the operator may allow.
+    sampled: bool = False
+    # What a hit costs: nothing (counted in kvgate_response_cache_*), or what the stored
+    # answer took (TPM, budget and price, booked in the ledger as a request).
+    hit_charge: Literal["free", "full"] = "free"
+    max_answer_bytes: int = Field(default=1024 * 1024, ge=1024)
+    memory_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+
+
 class IdempotencyConfig(_Strict):
     """Idempotency-Key on chat and completions requests (one generation per tenant and key)."""
 
@@ -550,6 +571,7 @@ class KvgateConfig(_Strict):
     backends: list[BackendConfig]
     tracing: TracingConfig = TracingConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    response_cache: ResponseCacheConfig = ResponseCacheConfig()
 
     @field_validator("store")
     @classmethod

@@ -52,6 +52,8 @@ class RuntimeSnapshot:
     )
     # Pools with a queue: their requests may wait for room.
     queued_pools: frozenset[str] = frozenset()
+    # The tenants' own settings beyond their limits (response cache opt-in, ...).
+    tenant_configs: Mapping[str, TenantConfig] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def _route(model: ModelConfig) -> ModelRoute:
@@ -133,6 +135,7 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
             {t.name: (t.priority, frozenset(t.allowed_priorities)) for t in config.tenants}
         ),
         queued_pools=frozenset(b.name for b in config.backends if b.queue is not None),
+        tenant_configs=MappingProxyType({t.name: t for t in config.tenants}),
     )
 
 

@@ -54,11 +54,16 @@ class GatewayServices:
         settler: Settler,
         scheduler: PoolScheduler | None = None,
         idempotency: IdempotencyStore | None = None,
+        response_cache: IdempotencyStore | None = None,
     ) -> None:
         self.scheduler = scheduler
         # Idempotency-Key answers (memory, or Redis shared by replicas).
         self.idempotency: IdempotencyStore = idempotency or MemoryIdempotencyStore(
             snapshots.current.config.idempotency.memory_max_bytes
+        )
+        # Exact-match answers (the same store kinds, their own keys and bound).
+        self.response_cache: IdempotencyStore = response_cache or MemoryIdempotencyStore(
+            snapshots.current.config.response_cache.memory_max_bytes
         )
         self.snapshots = snapshots
         self.store = store

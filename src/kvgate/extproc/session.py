@@ -41,7 +41,15 @@ from kvgate.extproc.route_settings import (
 )
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Rejected, Rejection, ResponseMeter, ResponseReading, Ticket
-from kvgate.lifecycle.idempotency import IdempotentRun, KeyVerdict, claim_key
+from kvgate.lifecycle.admission import rejection_of
+from kvgate.lifecycle.idempotency import AnswerRecorder, KeyVerdict, claim_key
+from kvgate.lifecycle.response_cache import (
+    CacheLookup,
+    CacheResult,
+    cacheable,
+    charge_hit,
+)
+from kvgate.lifecycle.response_cache import lookup as cache_lookup
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
 from kvgate.openai import errors as api_errors
@@ -67,6 +75,8 @@ DESTINATION_HEADER = "x-kvgate-destination"
 # The priority class a request asks for in a pool's queue (allowed per tenant).
 PRIORITY_HEADER = "kvgate-priority"
 IDEMPOTENCY_HEADER = "idempotency-key"
+# On every answer to a metered request: hit | miss | bypass.
+CACHE_HEADER = "x-kvgate-cache"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
@@ -177,7 +187,9 @@ class StreamSession:
         self._priority = 0
         # Idempotency-Key: the client's key, and this request's run when it holds it.
         self._idempotency_key: str | None = None
-        self._idempotent_run: IdempotentRun | None = None
+        # What keeps this request's answer: its Idempotency-Key, a response-cache entry.
+        self._recorders: list[AnswerRecorder] = []
+        self._cache_result = CacheResult.BYPASS
         self._deadline: asyncio.Timeout | None = None
         self._interim: asyncio.Future[pb.ProcessingResponse] | None = None
 
@@ -466,6 +478,10 @@ class StreamSession:
             answered = await self._claim_idempotency_key(request, admission_id)
             if answered is not None:
                 return answered
+        if not self._answer_seen_elsewhere:
+            answered = await self._response_cache(request, admission_id)
+            if answered is not None:
+                return answered
         try:
             ticket = await self._svc.admission(self._snapshot).admit(
                 request,
@@ -478,9 +494,9 @@ class StreamSession:
             )
         except BaseException:
             # Refused, or the client left: nothing ran, so a retry with the key runs anew.
-            if self._idempotent_run is not None:
-                self._idempotent_run.abandon()
-                self._idempotent_run = None
+            for recorder in self._recorders:
+                recorder.abandon()
+            self._recorders.clear()
             raise
         # Exact output counts need the usage event; when the client did not ask for it, the
         # response meter strips it again before the client sees it. An observing stream
@@ -597,8 +613,8 @@ class StreamSession:
             log.warning("idempotency store unavailable; the request runs unchecked: %s", exc)
             return None
         metrics = self._svc.metrics
-        if isinstance(outcome, IdempotentRun):
-            self._idempotent_run = outcome
+        if isinstance(outcome, AnswerRecorder):
+            self._recorders.append(outcome)
             metrics.idempotent_requests.labels("started").inc()
             return None
         if outcome.verdict is KeyVerdict.REPLAY:
@@ -619,6 +635,62 @@ class StreamSession:
             raise api_errors.idempotency_key_reused()
         metrics.idempotent_requests.labels("in_progress").inc()
         raise api_errors.idempotency_key_in_progress(retry_after_s=1)
+
+    async def _response_cache(
+        self, request: ParsedRequest, owner: str
+    ) -> pb.ProcessingResponse | None:
+        """The stored answer for an identical request (a hit), or None: the request runs,
+        and on a miss its complete answer is stored."""
+        assert self.tenant is not None and self._tenant_policy is not None
+        config = self._snapshot.config
+        settings = config.response_cache
+        metrics = self._svc.metrics
+        if not cacheable(request, settings, self._snapshot.tenant_configs.get(self.tenant)):
+            metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
+            return None
+        try:
+            found = await cache_lookup(
+                self._svc.response_cache,
+                settings,
+                request=request,
+                tenant=self.tenant,
+                owner=owner,
+                lock_ttl_s=config.server.lease_ttl_s,
+                track=self._svc.track,
+            )
+        except (TimeoutError, RedisError, OSError) as exc:
+            log.warning("response cache unavailable; the request runs uncached: %s", exc)
+            found = CacheLookup(CacheResult.BYPASS)
+        self._cache_result = found.result
+        metrics.response_cache.labels(found.result.value).inc()
+        if found.recorder is not None:
+            self._recorders.append(found.recorder)
+        if found.answer is None:
+            return None
+        answer = found.answer
+        route = self._snapshot.models.get(request.model)
+        if settings.hit_charge == "full" and route is not None:
+            decision = await charge_hit(self._svc.store, self._tenant_policy, route, answer, owner)
+            if not decision.admitted:
+                raise Rejected(rejection_of(decision))
+        metrics.response_cache_saved_tokens.labels(self.tenant, request.model).inc(
+            answer.prompt_tokens + answer.output_tokens
+        )
+        # A hit completes this request's Idempotency-Key too: its duplicates replay it.
+        for recorder in self._recorders:
+            recorder.on_headers(answer.status, answer.content_type)
+            recorder.on_chunk(answer.body)
+            recorder.finish(SettleCause.COMPLETED)
+        self._recorders.clear()
+        self.phase = Phase.REJECTED  # answered by kvgate: nothing to meter
+        metrics.requests.labels("answered", "response_cache_hit").inc()
+        return messages.immediate_response(
+            answer.status,
+            answer.body,
+            {"content-type": answer.content_type, CACHE_HEADER: CacheResult.HIT.value},
+            details="kvgate_response_cache_hit",
+            dynamic_metadata=self._metadata("response_cache_hit"),
+        )
 
     async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
         if len(body) <= PARSE_OFF_LOOP_BYTES:
@@ -684,15 +756,17 @@ class StreamSession:
             status = 0
         content_type = headers.get("content-type", "")
         self._meter.on_headers(status, content_type)
-        if self._idempotent_run is not None:
-            self._idempotent_run.on_headers(status, content_type)
+        for recorder in self._recorders:
+            recorder.on_headers(status, content_type)
         self.phase = Phase.RESPONSE
         if http.end_of_stream:
             # A body-less answer (e.g. an upstream error with no body): settle now.
             await self._settle(self._end_cause())
-            return messages.continue_response_headers(answer_headers(self.ticket))
+            return messages.continue_response_headers(
+                {**answer_headers(self.ticket), CACHE_HEADER: self._cache_result.value}
+            )
         return messages.continue_response_headers(
-            answer_headers(self.ticket),
+            {**answer_headers(self.ticket), CACHE_HEADER: self._cache_result.value},
             buffer_body=not self._answer_seen_elsewhere
             and _small_json_answer(content_type, headers.get("content-length", "")),
         )
@@ -701,8 +775,8 @@ class StreamSession:
         if not self.phase.unsettled or self._meter is None:
             return messages.continue_response_body()
         replacement = self._meter.on_chunk(http.body, end_of_stream=http.end_of_stream)
-        if self._idempotent_run is not None:
-            self._idempotent_run.on_chunk(http.body if replacement is None else replacement)
+        for recorder in self._recorders:
+            recorder.on_chunk(http.body if replacement is None else replacement)
         if not http.end_of_stream:
             return messages.continue_response_body(replacement)
         cause = self._end_cause()
@@ -758,16 +832,17 @@ class StreamSession:
         # The store write is a tracked task of its own: it lands whatever happens to this
         # stream, and the answer's last chunk does not wait for it (a Redis round trip).
         charged, _ = self._svc.settler.settle(ticket, cause, reading)
-        if self._idempotent_run is not None:
-            self._idempotent_run.finish(cause)
+        for recorder in self._recorders:
+            recorder.finish(cause, charged)
         return charged
 
     def close(self, *, shutting_down: bool) -> None:
         """The gRPC stream ended. If the request was admitted and not settled, the client
         went away (or Envoy gave up): settle with what was seen so far."""
-        if self._idempotent_run is not None and self.phase is not Phase.SETTLED:
+        if self.phase is not Phase.SETTLED:
             # Cut before its answer ended: a retry with the key runs anew.
-            self._idempotent_run.abandon()
+            for recorder in self._recorders:
+                recorder.abandon()
         if not self.phase.unsettled or self.ticket is None:
             return
         self._svc.metrics.stream_disconnects.labels(self.phase.value).inc()

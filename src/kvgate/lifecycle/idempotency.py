@@ -1,7 +1,7 @@
 """Idempotency-Key: the first request with a key runs, duplicates get its answer.
 
-Protocol-free: the adapter asks `claim_key` before admission and gets either a
-`IdempotentRun` (this request runs; it records the answer as it passes and stores it at
+Protocol-free: the adapter asks `claim_key` before admission and gets either an
+`AnswerRecorder` (this request runs; it records the answer as it passes and stores it at
 the end) or a `KeyOutcome` to answer with (the stored answer, or why not). The store
 (`kvgate.cache.idempotency`) decides atomically, across replicas when it is Redis.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from kvgate.cache.idempotency import ClaimState, IdempotencyStore, StoredAnswer
 from kvgate.config.model import IdempotencyConfig
-from kvgate.policy import SettleCause
+from kvgate.policy import ActualUsage, SettleCause
 
 # Duplicates poll the store this often while the first request runs (the store may be
 # shared: another replica's completion sends no signal here).
@@ -51,22 +51,26 @@ def fingerprint(body: dict[str, Any]) -> str:
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
 
-class IdempotentRun:
-    """The request that runs for its key: records what the client receives and, at the
-    end, stores it (a complete 2xx answer) or gives the key up (anything else)."""
+class AnswerRecorder:
+    """The request that runs for its key (an Idempotency-Key, or a response-cache entry):
+    records what the client receives and, at the end, stores it (a complete 2xx answer)
+    or gives the key up (anything else)."""
 
     def __init__(
         self,
         store: IdempotencyStore,
         key: str,
         owner: str,
-        settings: IdempotencyConfig,
+        *,
+        max_answer_bytes: int,
+        retention_s: float,
         track: Callable[[Coroutine[Any, Any, None]], Any],
     ) -> None:
         self._store = store
         self._key = key
         self._owner = owner
-        self._settings = settings
+        self._max_answer_bytes = max_answer_bytes
+        self._retention_s = retention_s
         self._track = track
         self._status = 0
         self._content_type = ""
@@ -80,19 +84,25 @@ class IdempotentRun:
     def on_chunk(self, chunk: bytes) -> None:
         if self._too_large:
             return
-        if len(self._body) + len(chunk) > self._settings.max_answer_bytes:
+        if len(self._body) + len(chunk) > self._max_answer_bytes:
             self._too_large = True
             self._body = bytearray()
             return
         self._body += chunk
 
-    def finish(self, cause: SettleCause) -> None:
+    def finish(self, cause: SettleCause, usage: ActualUsage | None = None) -> None:
         """The answer ended: keep it if it is whole and 2xx, else let a retry run anew."""
         if self._done:
             return
         self._done = True
         if cause is SettleCause.COMPLETED and 200 <= self._status < 300 and not self._too_large:
-            answer = StoredAnswer(self._status, self._content_type, bytes(self._body))
+            answer = StoredAnswer(
+                self._status,
+                self._content_type,
+                bytes(self._body),
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                output_tokens=usage.output_tokens if usage else 0,
+            )
             self._track(self._complete(answer))
         else:
             self._track(self._release())
@@ -105,7 +115,7 @@ class IdempotentRun:
 
     async def _complete(self, answer: StoredAnswer) -> None:
         try:
-            await self._store.complete(self._key, self._owner, answer, self._settings.retention_s)
+            await self._store.complete(self._key, self._owner, answer, self._retention_s)
         except Exception:
             # The lock expires on its own; duplicates then run anew.
             await self._release()
@@ -128,7 +138,7 @@ async def claim_key(
     lock_ttl_s: float,
     on_wait: Callable[[float], None],
     track: Callable[[Coroutine[Any, Any, None]], Any],
-) -> IdempotentRun | KeyOutcome:
+) -> AnswerRecorder | KeyOutcome:
     """Run, replay, or refuse. A duplicate of a running request waits (polling the store,
     at most `settings.max_wait_s`; `on_wait(max_wait_s)` is called once when it starts
     waiting) and then replays, or runs itself if the first attempt gave up."""
@@ -143,7 +153,14 @@ async def claim_key(
         if claim.fingerprint != fp:
             return KeyOutcome(KeyVerdict.MISMATCH, waited_s=waited)
         if claim.state is ClaimState.STARTED:
-            return IdempotentRun(store, store_key, owner, settings, track)
+            return AnswerRecorder(
+                store,
+                store_key,
+                owner,
+                max_answer_bytes=settings.max_answer_bytes,
+                retention_s=settings.retention_s,
+                track=track,
+            )
         if claim.state is ClaimState.COMPLETED:
             return KeyOutcome(KeyVerdict.REPLAY, claim.answer, waited)
         if waited >= settings.max_wait_s:

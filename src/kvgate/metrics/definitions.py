@@ -234,6 +234,20 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        self.response_cache = Counter(
+            "kvgate_response_cache",
+            "Metered requests by what the response cache did: hit (answered from it), miss "
+            "(ran, its answer stored when complete), bypass (not cacheable, or an identical "
+            "request was running).",
+            ["result"],
+            registry=r,
+        )
+        self.response_cache_saved_tokens = Counter(
+            "kvgate_response_cache_saved_tokens",
+            "Prompt and output tokens the backend did not have to process thanks to hits.",
+            ["tenant", "model"],
+            registry=r,
+        )
         self.idempotent_requests = Counter(
             "kvgate_idempotent_requests",
             "Requests with an Idempotency-Key by what kvgate did: started (ran), replayed "
