@@ -478,11 +478,11 @@ class StreamSession:
             answered = await self._claim_idempotency_key(request, admission_id)
             if answered is not None:
                 return answered
-        if not self._answer_seen_elsewhere:
-            answered = await self._response_cache(request, admission_id)
-            if answered is not None:
-                return answered
         try:
+            if not self._answer_seen_elsewhere:
+                answered = await self._response_cache(request, admission_id)
+                if answered is not None:
+                    return answered
             ticket = await self._svc.admission(self._snapshot).admit(
                 request,
                 self._tenant_policy,
