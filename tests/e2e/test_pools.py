@@ -292,8 +292,14 @@ def test_a_killed_endpoint_is_avoided_and_its_leases_freed(counter: PromptCounte
             ]
             time.sleep(1.0)
             stack.sims[victim].kill()
-            results = [f.result() for f in streams]
-        assert len(results) == 6
+            outcomes = []
+            for future in streams:
+                try:
+                    outcomes.append(future.result().status_code)
+                except httpx.HTTPError:
+                    outcomes.append("cut")  # a stream on the killed pod, cut mid-answer
+        # The other pods' streams complete; the killed pod's were cut (or never started).
+        assert outcomes.count(200) + outcomes.count("cut") == 6, outcomes
         # The dead endpoint's reservations are settled (its streams were cut) and freed.
         freed = wait_until(lambda: _in_flight(stack)[victim_address], lambda v: v == 0, timeout=10)
         assert freed == 0
