@@ -197,7 +197,9 @@ def test_a_malformed_key_is_a_400(stack: Stack) -> None:
 def test_two_replicas_sharing_redis_coalesce_one_key() -> None:
     """Envoy spreads the duplicates over both kvgate processes; the key lives in Redis, so
     one generation runs and every duplicate gets its answer."""
-    with RedisStack() as stack:
+    # A generous per-call Redis deadline: ten duplicates poll the key while the machine is
+    # busy; a 0.3 s timeout would turn a slow poll into fail_closed's 503.
+    with RedisStack(redis_config={"timeout_s": 2.0}) as stack:
         key = f"replicas-{uuid.uuid4()}"
         with ThreadPoolExecutor(10) as pool:
             answers = list(pool.map(lambda _: _post(stack, key, _body(), SLOW), range(10)))

@@ -217,7 +217,9 @@ def test_a_charged_hit_is_booked_like_the_request_it_replays() -> None:
 
 
 def test_replicas_sharing_redis_share_the_entries() -> None:
-    with RedisStack(kvgate_overrides={"response_cache": {"enabled": True}}) as stack:
+    with RedisStack(
+        kvgate_overrides={"response_cache": {"enabled": True}}, redis_config={"timeout_s": 2.0}
+    ) as stack:
         body = _body(f"Shared question {uuid.uuid4()}")
         _stored(stack, body)
         answers = [
