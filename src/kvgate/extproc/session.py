@@ -343,10 +343,14 @@ class StreamSession:
         if isinstance(priority, ApiError):
             return self._reject(priority, Answer.INVALID_REQUEST)
         self._priority = priority
-        key = headers.get(IDEMPOTENCY_HEADER)
-        if key is not None and self._snapshot.config.idempotency.enabled:
-            key = key.strip(_OWS)
-            if not 1 <= len(key) <= 255 or not key.isascii() or not key.isprintable():
+        idempotency_key = headers.get(IDEMPOTENCY_HEADER)
+        if idempotency_key is not None and self._snapshot.config.idempotency.enabled:
+            idempotency_key = idempotency_key.strip(_OWS)
+            if not (
+                1 <= len(idempotency_key) <= 255
+                and idempotency_key.isascii()
+                and idempotency_key.isprintable()
+            ):
                 return self._reject(
                     api_errors.invalid_request(
                         "The Idempotency-Key header must be 1 to 255 printable ASCII characters.",
@@ -355,7 +359,7 @@ class StreamSession:
                     ),
                     Answer.INVALID_REQUEST,
                 )
-            self._idempotency_key = key
+            self._idempotency_key = idempotency_key
         self.phase = Phase.REQUEST_BODY
         return messages.continue_request_headers(
             {"x-kvgate-tenant": tenant}, [*forged, *credentials]
