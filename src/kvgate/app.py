@@ -29,6 +29,7 @@ from kvgate.cache.idempotency import (
     MemoryIdempotencyStore,
     RedisIdempotencyStore,
 )
+from kvgate.cache.semantic import EntryLog, MemoryEntryLog, RedisEntryLog
 from kvgate.capacity.pools import PoolRegistry
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
@@ -38,6 +39,7 @@ from kvgate.extproc.handoff import HandoffRegistry
 from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler, Ticket
 from kvgate.lifecycle.leases import renew_interval_s
 from kvgate.lifecycle.scheduler import PoolScheduler
+from kvgate.lifecycle.semantic_cache import SemanticCache, build_semantic_cache
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.definitions import CountingCollector
@@ -114,7 +116,16 @@ class KvgateServer:
         self._response_cache_store: IdempotencyStore = MemoryIdempotencyStore(
             config.response_cache.memory_max_bytes
         )
+        self._semantic_entries: EntryLog = MemoryEntryLog(config.semantic_cache.memory_max_contexts)
         self.store: StateStore = self._build_store(config)
+        # Built at start when on (WordLlama loads its weights here): a change needs a restart.
+        self.semantic_cache: SemanticCache | None = (
+            build_semantic_cache(
+                config.semantic_cache, self._response_cache_store, self._semantic_entries
+            )
+            if config.semantic_cache.enabled
+            else None
+        )
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
         self.capacity = CapacityRegistry()
@@ -153,6 +164,7 @@ class KvgateServer:
             scheduler=self.scheduler,
             idempotency=self._idempotency_store,
             response_cache=self._response_cache_store,
+            semantic_cache=self.semantic_cache,
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -209,6 +221,10 @@ class KvgateServer:
         )
         # Cache entries too (keys "cache|...", with their TTL): shared by every replica.
         self._response_cache_store = self._idempotency_store
+        # Semantic-cache entries: one stream per context, mirrored by each replica.
+        self._semantic_entries = RedisEntryLog(
+            shared.client, shared.key_tag, timeout_s=redis_cfg.timeout_s
+        )
         return FallbackStore(
             shared,
             local,
@@ -473,6 +489,8 @@ class KvgateServer:
         await self.capacity.close()
         await self.pools.close()
         await self.store.close()
+        if self.semantic_cache is not None:
+            await self.semantic_cache.close()
         self.tokenizers.close()
         if self.tracing is not None:
             # The settlements' spans are recorded by now (drained above): export them.

@@ -169,6 +169,39 @@ FIELD_CLASSES: dict[str, str] = {
     "response_cache.hit_charge": RELOAD,
     "response_cache.max_answer_bytes": RELOAD,
     "response_cache.memory_max_bytes": RESTART,
+    # The embedder and the index are built at start; the rest is read per request.
+    "semantic_cache.enabled": RESTART,
+    **{
+        f"semantic_cache.embedder.{name}": RESTART
+        for name in (
+            "kind",
+            "dimensions",
+            "base_url",
+            "model",
+            "api_key_env",
+            "send_dimensions",
+            "timeout_s",
+        )
+    },
+    "semantic_cache.max_entries_per_context": RESTART,
+    "semantic_cache.max_mirrored_entries": RESTART,
+    "semantic_cache.memory_max_contexts": RESTART,
+    **{
+        f"semantic_cache.{name}": RELOAD
+        for name in (
+            "threshold",
+            "guard",
+            "scope",
+            "allow_tools",
+            "sampled",
+            "ttl_s",
+            "hit_charge",
+            "max_answer_bytes",
+            "max_question_chars",
+        )
+    },
+    "tenants.*.semantic_cache": RELOAD,
+    "models.*.semantic_cache": RELOAD,
     "tenants.*.response_cache": RELOAD,
     "tenants.*.response_cache_sampled": RELOAD,
     "tenants.*.allowed_priorities": RELOAD,

@@ -194,6 +194,8 @@ class TenantConfig(_Strict):
     # The response cache for this tenant: None follows response_cache.enabled / .sampled.
     response_cache: bool | None = None
     response_cache_sampled: bool | None = None
+    # The semantic cache serves this tenant only if it opts in (and the model does too).
+    semantic_cache: bool = False
     api_key_sha256: list[str] | str = Field(
         description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`."
     )
@@ -257,6 +259,8 @@ class ModelConfig(_Strict):
     # "auto" counts with tiktoken's compiled BPE when the vocabulary passes its exactness
     # checks at load (else the reference); "reference" always uses the model's tokenizers.
     counting_engine: Literal["auto", "reference"] = "auto"
+    # The semantic cache may answer this model's requests (for tenants that opt in too).
+    semantic_cache: bool = False
 
     @field_validator("name")
     @classmethod
@@ -545,6 +549,72 @@ class ResponseCacheConfig(_Strict):
     memory_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
 
 
+class SemanticEmbedderConfig(_Strict):
+    """Where question vectors come from."""
+
+    # wordllama: offline, in process (the `semantic` extra); openai: an OpenAI-compatible
+    # /v1/embeddings endpoint (vLLM serving an embedding model).
+    kind: Literal["wordllama", "openai"] = "wordllama"
+    dimensions: int = Field(default=256, ge=1, le=16384)
+    base_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    # The name of the environment variable holding the endpoint's API key, if it needs one.
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # Ask a matryoshka model for `dimensions` (vLLM refuses it for other models).
+    send_dimensions: bool = False
+    # The embedding call's whole deadline: past it the request runs uncached.
+    timeout_s: float = Field(default=0.5, gt=0, le=10)
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> SemanticEmbedderConfig:
+        if self.kind == "openai" and (self.base_url is None or self.model is None):
+            raise ValueError("an openai embedder needs base_url and model")
+        if self.kind == "wordllama" and self.dimensions not in (64, 128, 256):
+            raise ValueError("wordllama's dimensions are 64, 128 or 256")
+        return self
+
+
+class SemanticCacheConfig(_Strict):
+    """Similar questions in the same context -> the stored answer (off by default; tenants
+    and models opt in with their own `semantic_cache: true`)."""
+
+    enabled: bool = False
+    embedder: SemanticEmbedderConfig = SemanticEmbedderConfig()
+    # A hit needs cosine similarity >= threshold AND the lexical guard's consent. None: the
+    # measured default for WordLlama with this guard (docs/semantic-cache.md); any other
+    # embedder, or no guard, must set the threshold it was measured at.
+    threshold: float | None = Field(default=None, gt=0, le=1)
+    # strict: the same content words in the same order (filler and articles aside);
+    # numbers: the same numbers and negations, never the same words reordered; off: none.
+    guard: Literal["strict", "numbers", "off"] = "strict"
+    # tenant: a tenant's entries serve only that tenant; model: every opted-in tenant.
+    scope: Literal["tenant", "model"] = "tenant"
+    # Requests with tools (or tool calls in their history) are never served by default.
+    allow_tools: bool = False
+    # Only deterministic requests (temperature 0) by default.
+    sampled: bool = False
+    ttl_s: float = Field(default=3600.0, gt=0)
+    hit_charge: Literal["free", "full"] = "free"
+    max_answer_bytes: int = Field(default=1024 * 1024, ge=1024)
+    # Longer last turns are not looked up (a mean vector over a long text says little).
+    max_question_chars: int = Field(default=2000, ge=1, le=32_768)
+    # The bucket of one context (the search runs over it); older entries drop out.
+    max_entries_per_context: int = Field(default=256, ge=1, le=65_536)
+    # This replica's mirror of the entries, in all contexts (least recently searched first
+    # out); the memory log keeps this many contexts.
+    max_mirrored_entries: int = Field(default=100_000, ge=1)
+    memory_max_contexts: int = Field(default=10_000, ge=1)
+
+    @model_validator(mode="after")
+    def _threshold(self) -> SemanticCacheConfig:
+        if self.threshold is None and (self.embedder.kind != "wordllama" or self.guard == "off"):
+            raise ValueError(
+                "semantic_cache.threshold is required for this embedder and guard: no "
+                "default was measured for them (tools/semantic_threshold.py measures one)"
+            )
+        return self
+
+
 class IdempotencyConfig(_Strict):
     """Idempotency-Key on chat and completions requests (one generation per tenant and key)."""
 
@@ -572,6 +642,7 @@ class KvgateConfig(_Strict):
     tracing: TracingConfig = TracingConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
+    semantic_cache: SemanticCacheConfig = SemanticCacheConfig()
 
     @field_validator("store")
     @classmethod

@@ -54,6 +54,8 @@ class RuntimeSnapshot:
     queued_pools: frozenset[str] = frozenset()
     # The tenants' own settings beyond their limits (response cache opt-in, ...).
     tenant_configs: Mapping[str, TenantConfig] = field(default_factory=lambda: MappingProxyType({}))
+    # The models' own settings beyond their route (semantic cache opt-in, ...).
+    model_configs: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def _route(model: ModelConfig) -> ModelRoute:
@@ -136,6 +138,7 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
         ),
         queued_pools=frozenset(b.name for b in config.backends if b.queue is not None),
         tenant_configs=MappingProxyType({t.name: t for t in config.tenants}),
+        model_configs=MappingProxyType({m.name: m for m in config.models}),
     )
 
 

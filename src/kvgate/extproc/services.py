@@ -22,6 +22,7 @@ from kvgate.lifecycle import (
     Ticket,
 )
 from kvgate.lifecycle.scheduler import PoolScheduler
+from kvgate.lifecycle.semantic_cache import SemanticCache
 from kvgate.metrics import Metrics
 from kvgate.policy import Clock, Decision, SettleCause
 from kvgate.store import StateStore
@@ -55,6 +56,7 @@ class GatewayServices:
         scheduler: PoolScheduler | None = None,
         idempotency: IdempotencyStore | None = None,
         response_cache: IdempotencyStore | None = None,
+        semantic_cache: SemanticCache | None = None,
     ) -> None:
         self.scheduler = scheduler
         # Idempotency-Key answers (memory, or Redis shared by replicas).
@@ -65,6 +67,8 @@ class GatewayServices:
         self.response_cache: IdempotencyStore = response_cache or MemoryIdempotencyStore(
             snapshots.current.config.response_cache.memory_max_bytes
         )
+        # Similar questions' answers (None: the semantic cache is off).
+        self.semantic_cache = semantic_cache
         self.snapshots = snapshots
         self.store = store
         self.tokenizers = tokenizers

@@ -28,6 +28,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from redis.exceptions import RedisError
 
+from kvgate.cache.idempotency import StoredAnswer
 from kvgate.config import hash_api_key
 from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages
@@ -50,6 +51,9 @@ from kvgate.lifecycle.response_cache import (
     charge_hit,
 )
 from kvgate.lifecycle.response_cache import lookup as cache_lookup
+from kvgate.lifecycle.semantic_cache import SemanticResult, semantic_query
+from kvgate.lifecycle.semantic_cache import applies as semantic_applies
+from kvgate.lifecycle.semantic_cache import lookup as semantic_lookup
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
 from kvgate.openai import errors as api_errors
@@ -77,6 +81,8 @@ PRIORITY_HEADER = "kvgate-priority"
 IDEMPOTENCY_HEADER = "idempotency-key"
 # On every answer to a metered request: hit | miss | bypass.
 CACHE_HEADER = "x-kvgate-cache"
+# On a semantic hit: the cosine similarity of the stored question that answered.
+SIMILARITY_HEADER = "x-kvgate-cache-similarity"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
@@ -189,7 +195,9 @@ class StreamSession:
         self._idempotency_key: str | None = None
         # What keeps this request's answer: its Idempotency-Key, a response-cache entry.
         self._recorders: list[AnswerRecorder] = []
-        self._cache_result = CacheResult.BYPASS
+        # This request's Idempotency-Key recorder (among _recorders), if it runs for a key.
+        self._key_recorder: AnswerRecorder | None = None
+        self._cache_header: str = CacheResult.BYPASS.value
         self._deadline: asyncio.Timeout | None = None
         self._interim: asyncio.Future[pb.ProcessingResponse] | None = None
 
@@ -485,6 +493,8 @@ class StreamSession:
         try:
             if not self._answer_seen_elsewhere:
                 answered = await self._response_cache(request, admission_id)
+                if answered is None:
+                    answered = await self._semantic_cache(request, admission_id)
                 if answered is not None:
                     return answered
             ticket = await self._svc.admission(self._snapshot).admit(
@@ -619,6 +629,7 @@ class StreamSession:
         metrics = self._svc.metrics
         if isinstance(outcome, AnswerRecorder):
             self._recorders.append(outcome)
+            self._key_recorder = outcome
             metrics.idempotent_requests.labels("started").inc()
             return None
         if outcome.verdict is KeyVerdict.REPLAY:
@@ -645,7 +656,7 @@ class StreamSession:
     ) -> pb.ProcessingResponse | None:
         """The stored answer for an identical request (a hit), or None: the request runs,
         and on a miss its complete answer is stored."""
-        assert self.tenant is not None and self._tenant_policy is not None
+        assert self.tenant is not None
         config = self._snapshot.config
         settings = config.response_cache
         metrics = self._svc.metrics
@@ -665,35 +676,112 @@ class StreamSession:
         except (TimeoutError, RedisError, OSError) as exc:
             log.warning("response cache unavailable; the request runs uncached: %s", exc)
             found = CacheLookup(CacheResult.BYPASS)
-        self._cache_result = found.result
+        self._cache_header = found.result.value
         metrics.response_cache.labels(found.result.value).inc()
         if found.recorder is not None:
             self._recorders.append(found.recorder)
         if found.answer is None:
             return None
-        answer = found.answer
+        metrics.response_cache_saved_tokens.labels(self.tenant, request.model).inc(
+            found.answer.prompt_tokens + found.answer.output_tokens
+        )
+        return await self._answer_from_cache(
+            request,
+            owner,
+            found.answer,
+            hit_charge=settings.hit_charge,
+            headers={CACHE_HEADER: CacheResult.HIT.value},
+            reason="response_cache_hit",
+        )
+
+    async def _semantic_cache(
+        self, request: ParsedRequest, owner: str
+    ) -> pb.ProcessingResponse | None:
+        """A similar question's stored answer, asked in the same context (a hit), or None:
+        the request runs, and on a miss its complete answer is stored and indexed."""
+        assert self.tenant is not None
+        cache = self._svc.semantic_cache
+        config = self._snapshot.config
+        settings = config.semantic_cache
+        metrics = self._svc.metrics
+        if cache is None or not semantic_applies(
+            settings,
+            self._snapshot.tenant_configs.get(self.tenant),
+            self._snapshot.model_configs.get(request.model),
+        ):
+            return None
+        query = semantic_query(request, self.tenant, settings)
+        if query is None:
+            metrics.semantic_cache.labels(SemanticResult.BYPASS.value).inc()
+            return None
+        found = await semantic_lookup(
+            cache,
+            settings,
+            query,
+            owner=owner,
+            lock_ttl_s=config.server.lease_ttl_s,
+            track=self._svc.track,
+        )
+        metrics.semantic_cache.labels(found.result.value).inc()
+        if found.guard_refusals:
+            metrics.semantic_cache_guard_refusals.inc(found.guard_refusals)
+        if found.recorder is not None:
+            self._recorders.append(found.recorder)
+            self._cache_header = CacheResult.MISS.value
+        if found.answer is None:
+            return None
+        metrics.semantic_cache_similarity.observe(found.similarity)
+        metrics.semantic_cache_saved_tokens.labels(self.tenant, request.model).inc(
+            found.answer.prompt_tokens + found.answer.output_tokens
+        )
+        return await self._answer_from_cache(
+            request,
+            owner,
+            found.answer,
+            hit_charge=settings.hit_charge,
+            headers={
+                CACHE_HEADER: SemanticResult.HIT.value,
+                SIMILARITY_HEADER: f"{found.similarity:.4f}",
+            },
+            reason="semantic_cache_hit",
+        )
+
+    async def _answer_from_cache(
+        self,
+        request: ParsedRequest,
+        owner: str,
+        answer: StoredAnswer,
+        *,
+        hit_charge: str,
+        headers: dict[str, str],
+        reason: str,
+    ) -> pb.ProcessingResponse:
+        """Answer with a stored answer: charged as configured, nothing forwarded."""
+        assert self._tenant_policy is not None
         route = self._snapshot.models.get(request.model)
-        if settings.hit_charge == "full" and route is not None:
+        if hit_charge == "full" and route is not None:
             decision = await charge_hit(self._svc.store, self._tenant_policy, route, answer, owner)
             if not decision.admitted:
                 raise Rejected(rejection_of(decision))
-        metrics.response_cache_saved_tokens.labels(self.tenant, request.model).inc(
-            answer.prompt_tokens + answer.output_tokens
-        )
-        # A hit completes this request's Idempotency-Key too: its duplicates replay it.
+        # A hit completes this request's Idempotency-Key too: its duplicates replay it. A
+        # cache entry this request would have made is given up: a semantic hit's answer is
+        # not the exact answer to this request.
         for recorder in self._recorders:
+            if recorder is not self._key_recorder:
+                recorder.abandon()
+                continue
             recorder.on_headers(answer.status, answer.content_type)
             recorder.on_chunk(answer.body)
             recorder.finish(SettleCause.COMPLETED)
         self._recorders.clear()
         self.phase = Phase.REJECTED  # answered by kvgate: nothing to meter
-        metrics.requests.labels("answered", "response_cache_hit").inc()
+        self._svc.metrics.requests.labels("answered", reason).inc()
         return messages.immediate_response(
             answer.status,
             answer.body,
-            {"content-type": answer.content_type, CACHE_HEADER: CacheResult.HIT.value},
-            details="kvgate_response_cache_hit",
-            dynamic_metadata=self._metadata("response_cache_hit"),
+            {"content-type": answer.content_type, **headers},
+            details=f"kvgate_{reason}",
+            dynamic_metadata=self._metadata(reason),
         )
 
     async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
@@ -767,10 +855,10 @@ class StreamSession:
             # A body-less answer (e.g. an upstream error with no body): settle now.
             await self._settle(self._end_cause())
             return messages.continue_response_headers(
-                {**answer_headers(self.ticket), CACHE_HEADER: self._cache_result.value}
+                {**answer_headers(self.ticket), CACHE_HEADER: self._cache_header}
             )
         return messages.continue_response_headers(
-            {**answer_headers(self.ticket), CACHE_HEADER: self._cache_result.value},
+            {**answer_headers(self.ticket), CACHE_HEADER: self._cache_header},
             buffer_body=not self._answer_seen_elsewhere
             and _small_json_answer(content_type, headers.get("content-length", "")),
         )

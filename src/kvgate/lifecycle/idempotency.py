@@ -12,14 +12,17 @@ import asyncio
 import enum
 import hashlib
 import json
+import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from kvgate.cache.idempotency import ClaimState, IdempotencyStore, StoredAnswer
 from kvgate.config.model import IdempotencyConfig
 from kvgate.policy import ActualUsage, SettleCause
+
+log = logging.getLogger(__name__)
 
 # Duplicates poll the store this often while the first request runs (the store may be
 # shared: another replica's completion sends no signal here).
@@ -65,8 +68,10 @@ class AnswerRecorder:
         max_answer_bytes: int,
         retention_s: float,
         track: Callable[[Coroutine[Any, Any, None]], Any],
+        on_stored: Callable[[StoredAnswer], Awaitable[None]] | None = None,
     ) -> None:
         self._store = store
+        self._on_stored = on_stored
         self._key = key
         self._owner = owner
         self._max_answer_bytes = max_answer_bytes
@@ -115,10 +120,17 @@ class AnswerRecorder:
 
     async def _complete(self, answer: StoredAnswer) -> None:
         try:
-            await self._store.complete(self._key, self._owner, answer, self._retention_s)
+            stored = await self._store.complete(self._key, self._owner, answer, self._retention_s)
         except Exception:
             # The lock expires on its own; duplicates then run anew.
             await self._release()
+            return
+        if stored and self._on_stored is not None:
+            try:
+                await self._on_stored(answer)
+            except Exception as exc:
+                # Not indexed: the stored answer is never found and expires.
+                log.warning("after storing an answer: %s", exc)
 
     async def _release(self) -> None:
         try:

@@ -248,6 +248,33 @@ class Metrics:
             ["tenant", "model"],
             registry=r,
         )
+        self.semantic_cache = Counter(
+            "kvgate_semantic_cache",
+            "Requests the semantic cache looked at, by result: hit (a similar question's "
+            "answer), miss (ran, indexed when complete), bypass (not eligible: other turns "
+            "than a last user question, tools, sampling, too long), unavailable (no vector: "
+            "the embedder or the store failed; the request ran uncached).",
+            ["result"],
+            registry=r,
+        )
+        self.semantic_cache_guard_refusals = Counter(
+            "kvgate_semantic_cache_guard_refusals",
+            "Stored questions above the similarity threshold that the lexical guard refused "
+            "(other numbers, words or order): the false hits it prevented.",
+            registry=r,
+        )
+        self.semantic_cache_similarity = Histogram(
+            "kvgate_semantic_cache_similarity",
+            "Cosine similarity of the stored question that answered each semantic hit.",
+            buckets=(0.80, 0.85, 0.90, 0.92, 0.94, 0.96, 0.98, 0.99, 1.0),
+            registry=r,
+        )
+        self.semantic_cache_saved_tokens = Counter(
+            "kvgate_semantic_cache_saved_tokens",
+            "Prompt and output tokens the backend did not process thanks to semantic hits.",
+            ["tenant", "model"],
+            registry=r,
+        )
         self.idempotent_requests = Counter(
             "kvgate_idempotent_requests",
             "Requests with an Idempotency-Key by what kvgate did: started (ran), replayed "

@@ -1,0 +1,267 @@
+"""The semantic cache's index: stored questions as vectors, searched by cosine similarity.
+
+Entries are grouped by *context*: the hash of everything in a request except the last user
+turn (tenant or model scope, model, system prompt and history, every parameter). Only
+questions asked in the same context are ever compared, so the vector search runs over one
+small bucket (bounded by `max_entries_per_context`) with one matrix product.
+
+Where the entries live is an `EntryLog`:
+
+* `MemoryEntryLog`: this process only.
+* `RedisEntryLog`: shared by the replicas. Redis 7 has no vector search, so it only keeps
+  the entries, one stream per context (`XADD ... MAXLEN ~ N`, the key expiring with the
+  entries' TTL); each replica searches its own mirror of the contexts it has seen and brings
+  it up to date before every search with one `XRANGE key (last-seen-id +`: only entries
+  newer than the last it read travel, usually none.
+
+`SemanticIndex` is the mirror: contexts in LRU order, bounded in entries; each bucket keeps
+its cursor in the log and its matrix of vectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+Vector = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class SemanticEntry:
+    """One answered question: where its answer is stored, and when it stops counting."""
+
+    answer_key: str
+    question: str
+    vector: Vector
+    expires_at: float  # wall clock (time.time()): comparable across replicas
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    similarity: float
+    entry: SemanticEntry
+
+
+class EntryLog(Protocol):
+    async def append(
+        self, context: str, entry: SemanticEntry, ttl_s: float, max_entries: int
+    ) -> None: ...
+
+    async def read_since(
+        self, context: str, cursor: str | None
+    ) -> tuple[str | None, list[SemanticEntry]]:
+        """The context's entries after `cursor` (all when None), and the new cursor."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryEntryLog:
+    """One process's entries, bounded per context and in contexts (least recently written
+    dropped first)."""
+
+    def __init__(self, max_contexts: int, clock: Callable[[], float] = time.time) -> None:
+        self._max_contexts = max_contexts
+        self._clock = clock
+        self._next_id = 0
+        # context -> [(sequence number, entry)], oldest first
+        self._contexts: OrderedDict[str, list[tuple[int, SemanticEntry]]] = OrderedDict()
+
+    async def append(
+        self, context: str, entry: SemanticEntry, ttl_s: float, max_entries: int
+    ) -> None:
+        self._next_id += 1
+        entries = self._contexts.pop(context, [])
+        entries.append((self._next_id, entry))
+        now = self._clock()
+        entries = [item for item in entries[-max_entries:] if item[1].expires_at > now]
+        self._contexts[context] = entries
+        while len(self._contexts) > self._max_contexts:
+            self._contexts.popitem(last=False)
+
+    async def read_since(
+        self, context: str, cursor: str | None
+    ) -> tuple[str | None, list[SemanticEntry]]:
+        entries = self._contexts.get(context, [])
+        after = int(cursor) if cursor is not None else 0
+        fresh = [entry for seq, entry in entries if seq > after]
+        last = str(entries[-1][0]) if entries else cursor
+        return last, fresh
+
+    async def close(self) -> None:
+        self._contexts.clear()
+
+
+class RedisEntryLog:
+    """Entries shared by every replica: one Redis stream per context."""
+
+    # An XRANGE returns at most this many entries; a mirror far behind catches up over
+    # several searches.
+    READ_BATCH = 512
+
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, key_tag: str, timeout_s: float
+    ) -> None:
+        self._client = client
+        self._prefix = f"{key_tag}:sem|"
+        self._timeout_s = timeout_s
+
+    async def append(
+        self, context: str, entry: SemanticEntry, ttl_s: float, max_entries: int
+    ) -> None:
+        key = self._prefix + context
+        fields = {
+            "a": entry.answer_key,
+            "q": entry.question,
+            "v": base64.b64encode(np.asarray(entry.vector, dtype="<f4").tobytes()),
+            "e": repr(entry.expires_at),
+        }
+        async with asyncio.timeout(self._timeout_s):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xadd(key, fields, maxlen=max_entries, approximate=True)  # type: ignore[arg-type]
+            pipe.pexpire(key, max(1, round(ttl_s * 1000)))
+            await pipe.execute()
+
+    async def read_since(
+        self, context: str, cursor: str | None
+    ) -> tuple[str | None, list[SemanticEntry]]:
+        start = "-" if cursor is None else f"({cursor}"
+        async with asyncio.timeout(self._timeout_s):
+            rows = await self._client.xrange(
+                self._prefix + context, min=start, max="+", count=self.READ_BATCH
+            )
+        entries: list[SemanticEntry] = []
+        last = cursor
+        for entry_id, fields in rows:
+            last = _text(entry_id)
+            entry = _decode(fields)
+            if entry is not None:
+                entries.append(entry)
+        return last, entries
+
+    async def close(self) -> None:
+        return None  # the client belongs to the state store
+
+
+def _decode(fields: dict[bytes | str, bytes | str]) -> SemanticEntry | None:
+    """An entry as another replica wrote it; None when it is malformed (skipped)."""
+    try:
+        values = {_text(k): v for k, v in fields.items()}
+        vector = np.frombuffer(base64.b64decode(values["v"]), dtype="<f4").astype(np.float32)
+        return SemanticEntry(
+            answer_key=_text(values["a"]),
+            question=_text(values["q"]),
+            vector=vector,
+            expires_at=float(_text(values["e"])),
+        )
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    cursor: str | None = None
+    entries: list[SemanticEntry] = field(default_factory=list)
+    matrix: Vector | None = None  # the entries' vectors, one row each; rebuilt on change
+
+
+class SemanticIndex:
+    """Searches one context's stored questions; a mirror of the `EntryLog`."""
+
+    def __init__(
+        self,
+        log: EntryLog,
+        *,
+        dimensions: int,
+        max_entries_per_context: int,
+        max_mirrored_entries: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._log = log
+        self._dimensions = dimensions
+        self._max_per_context = max_entries_per_context
+        self._max_mirrored = max_mirrored_entries
+        self._clock = clock
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._mirrored = 0
+
+    @property
+    def log(self) -> EntryLog:
+        return self._log
+
+    @property
+    def mirrored_entries(self) -> int:
+        return self._mirrored
+
+    async def search(
+        self, context: str, vector: Vector, *, min_similarity: float
+    ) -> list[Candidate]:
+        """The context's live entries with similarity >= `min_similarity`, best first."""
+        bucket = await self._sync(context)
+        if not bucket.entries:
+            return []
+        if bucket.matrix is None:
+            bucket.matrix = np.stack([entry.vector for entry in bucket.entries])
+        similarities = bucket.matrix @ vector.astype(np.float32, copy=False)
+        now = self._clock()
+        order = np.argsort(-similarities, kind="stable")
+        found: list[Candidate] = []
+        for index in order:
+            similarity = float(similarities[index])
+            if similarity < min_similarity:
+                break
+            entry = bucket.entries[int(index)]
+            if entry.expires_at > now:
+                found.append(Candidate(similarity, entry))
+        return found
+
+    async def add(self, context: str, entry: SemanticEntry, ttl_s: float) -> None:
+        """Store an answered question; the next search of this replica sees it (and, through
+        the shared log, every other replica's)."""
+        await self._log.append(context, entry, ttl_s, self._max_per_context)
+
+    def forget(self, context: str, answer_key: str) -> None:
+        """Drop an entry whose answer is gone from this mirror (it expired or was evicted)."""
+        bucket = self._buckets.get(context)
+        if bucket is None:
+            return
+        kept = [entry for entry in bucket.entries if entry.answer_key != answer_key]
+        self._mirrored -= len(bucket.entries) - len(kept)
+        bucket.entries, bucket.matrix = kept, None
+
+    async def _sync(self, context: str) -> _Bucket:
+        bucket = self._buckets.pop(context, None) or _Bucket()
+        self._buckets[context] = bucket  # most recently used last
+        cursor, fresh = await self._log.read_since(context, bucket.cursor)
+        bucket.cursor = cursor
+        now = self._clock()
+        valid = [
+            entry
+            for entry in fresh
+            if entry.vector.shape == (self._dimensions,) and entry.expires_at > now
+        ]
+        expired = [entry for entry in bucket.entries if entry.expires_at <= now]
+        if valid or expired:
+            before = len(bucket.entries)
+            kept = [entry for entry in bucket.entries if entry.expires_at > now] + valid
+            bucket.entries = kept[-self._max_per_context :]
+            bucket.matrix = None
+            self._mirrored += len(bucket.entries) - before
+        while self._mirrored > self._max_mirrored and len(self._buckets) > 1:
+            _, oldest = self._buckets.popitem(last=False)
+            self._mirrored -= len(oldest.entries)
+        return bucket

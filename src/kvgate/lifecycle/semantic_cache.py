@@ -1,0 +1,320 @@
+"""The semantic cache: a similar question, asked in the same context -> the stored answer.
+
+Protocol-free. Reuse must be safe by construction, so a request is looked up only when
+everything but its last user turn is identical to the stored one's (the *context*: scope,
+path, model, system prompt and history, every parameter, `stream` included), the last turn
+is plain text, and nothing in it can make the answer depend on more than the question:
+no tools or tool calls (unless the operator allows them), no echo of the prompt, no prompt
+logprobs, no images. Within a context, a stored question answers a new one when their
+vectors' cosine similarity reaches the threshold AND the lexical guard agrees (the same
+numbers, negations and content words; `kvgate.cache.semantic_guard`): the embedding finds
+candidates, the guard refuses the near misses an embedding cannot tell apart (docs/
+semantic-cache.md has the measured curve).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from redis.exceptions import RedisError
+
+from kvgate.cache.embeddings import (
+    Embedder,
+    EmbeddingError,
+    OpenAIEmbeddingsClient,
+    WordLlamaEmbedder,
+)
+from kvgate.cache.idempotency import ClaimState, IdempotencyStore, StoredAnswer
+from kvgate.cache.semantic import Candidate, EntryLog, SemanticEntry, SemanticIndex
+from kvgate.cache.semantic_guard import GuardLevel, guard_allows
+from kvgate.config.model import ConfigError, ModelConfig, SemanticCacheConfig, TenantConfig
+from kvgate.lifecycle.idempotency import AnswerRecorder
+from kvgate.openai import ParsedRequest
+
+log = logging.getLogger(__name__)
+
+# The measured defaults for WordLlama (`l2_supercat`, 256 dimensions) with each guard: the
+# threshold with the highest recall whose false-hit rate on the project's paraphrase corpus
+# is at most 1 % (tools/semantic_threshold.py; a test checks these against its results).
+DEFAULT_THRESHOLDS: dict[GuardLevel, float] = {
+    GuardLevel.STRICT: 0.8,
+    GuardLevel.NUMBERS: 0.99,
+}
+
+# Stored questions above the threshold checked by the guard, best first: the rest are less
+# similar still, and each costs a guard check and an answer fetch.
+MAX_CANDIDATES = 4
+
+# Request fields that make the answer depend on more than the question (or echo the stored
+# prompt back): never looked up.
+_TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")
+_PROMPT_ECHO_FIELDS = ("echo", "prompt_logprobs", "return_tokens_as_token_ids")
+
+
+class SemanticResult(enum.StrEnum):
+    HIT = "semantic-hit"
+    MISS = "miss"
+    BYPASS = "bypass"
+    UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class SemanticQuery:
+    context: str  # hash of everything but the last user turn
+    question: str  # the last user turn's text
+
+
+@dataclass(frozen=True, slots=True)
+class SemanticLookup:
+    result: SemanticResult
+    answer: StoredAnswer | None = None
+    similarity: float = 0.0
+    recorder: AnswerRecorder | None = None
+    guard_refusals: int = 0
+
+
+class SemanticCache:
+    """What a lookup needs at run time: the embedder, the index and the answers' store."""
+
+    def __init__(self, embedder: Embedder, index: SemanticIndex, answers: IdempotencyStore) -> None:
+        self.embedder = embedder
+        self.index = index
+        self.answers = answers
+
+    async def close(self) -> None:
+        await self.embedder.close()
+        await self.index.log.close()
+
+
+def threshold_of(settings: SemanticCacheConfig) -> float:
+    if settings.threshold is not None:
+        return settings.threshold
+    return DEFAULT_THRESHOLDS[GuardLevel(settings.guard)]
+
+
+def applies(
+    settings: SemanticCacheConfig, tenant: TenantConfig | None, model: ModelConfig | None
+) -> bool:
+    """Both the tenant and the model opted in (and the cache is on)."""
+    return (
+        settings.enabled
+        and tenant is not None
+        and tenant.semantic_cache
+        and model is not None
+        and model.semantic_cache
+    )
+
+
+def semantic_query(
+    request: ParsedRequest, tenant: str, settings: SemanticCacheConfig
+) -> SemanticQuery | None:
+    """The context and the question, or None when reuse would not be safe by construction."""
+    body = request.body
+    if not settings.sampled and not _deterministic(body.get("temperature")):
+        return None
+    if any(body.get(name) for name in _PROMPT_ECHO_FIELDS):
+        return None
+    if not settings.allow_tools and any(name in body for name in _TOOL_FIELDS):
+        return None
+    context_body = dict(body)
+    if request.kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "user":
+            return None
+        if not settings.allow_tools and any(_uses_tools(m) for m in messages):
+            return None
+        question = _plain_text(last.get("content"))
+        if question is None:
+            return None
+        # The history must be identical, the last turn only similar: keep everything of the
+        # last message but its content (a `name` on it still has to match).
+        context_body["messages"] = [*messages[:-1], {**last, "content": None}]
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        question = prompt
+        context_body["prompt"] = None
+    question = question.strip()
+    if not question or len(question) > settings.max_question_chars:
+        return None
+    scope = f"tenant\x00{tenant}" if settings.scope == "tenant" else "model"
+    canonical = json.dumps(context_body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    digest = hashlib.sha256()
+    digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00".encode())
+    digest.update(canonical.encode())
+    return SemanticQuery(context=digest.hexdigest(), question=question)
+
+
+def _deterministic(temperature: object) -> bool:
+    return (
+        isinstance(temperature, int | float)
+        and not isinstance(temperature, bool)
+        and temperature == 0
+    )
+
+
+def _uses_tools(message: object) -> bool:
+    if not isinstance(message, dict):
+        return True
+    return message.get("role") in ("tool", "function") or bool(
+        message.get("tool_calls") or message.get("function_call")
+    )
+
+
+def _plain_text(content: object) -> str | None:
+    """The text of a message's content: a string, or text parts only (an image or audio
+    part makes the question more than its words)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        return None
+    texts: list[str] = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            return None
+        text = part.get("text")
+        if not isinstance(text, str):
+            return None
+        texts.append(text)
+    return "\n".join(texts)
+
+
+async def lookup(
+    cache: SemanticCache,
+    settings: SemanticCacheConfig,
+    query: SemanticQuery,
+    *,
+    owner: str,
+    lock_ttl_s: float,
+    track: Callable[[Coroutine[Any, Any, None]], Any],
+) -> SemanticLookup:
+    """A stored answer to a similar question (a hit), or a recorder that stores and indexes
+    this request's answer when it completes (a miss). Any failure of the embedder or the
+    store: UNAVAILABLE, and the request runs uncached."""
+    try:
+        vectors = await cache.embedder.embed([query.question])
+    except EmbeddingError as exc:
+        log.info("semantic cache: no vector for this question: %s", exc)
+        return SemanticLookup(SemanticResult.UNAVAILABLE)
+    vector = vectors[0]
+    if not np.any(vector):
+        return SemanticLookup(SemanticResult.BYPASS)  # nothing meaningful to compare
+    threshold = threshold_of(settings)
+    level = GuardLevel(settings.guard)
+    try:
+        candidates = await cache.index.search(query.context, vector, min_similarity=threshold)
+        refused = 0
+        for candidate in candidates[:MAX_CANDIDATES]:
+            if not guard_allows(candidate.entry.question, query.question, level):
+                refused += 1
+                continue
+            answer = await _stored_answer(cache, query, candidate, owner, lock_ttl_s)
+            if answer is not None:
+                return SemanticLookup(
+                    SemanticResult.HIT,
+                    answer=answer,
+                    similarity=candidate.similarity,
+                    guard_refusals=refused,
+                )
+        answer_key = f"semantic|{uuid.uuid4().hex}"
+        claim = await cache.answers.claim(answer_key, query.context, owner, lock_ttl_s)
+    except (TimeoutError, RedisError, OSError) as exc:
+        log.warning("semantic cache store unavailable; the request runs uncached: %s", exc)
+        return SemanticLookup(SemanticResult.UNAVAILABLE)
+    if claim.state is not ClaimState.STARTED:
+        return SemanticLookup(SemanticResult.BYPASS, guard_refusals=refused)
+
+    async def index_answer(_: StoredAnswer) -> None:
+        entry = SemanticEntry(
+            answer_key=answer_key,
+            question=query.question,
+            vector=vector,
+            expires_at=time.time() + settings.ttl_s,
+        )
+        await cache.index.add(query.context, entry, settings.ttl_s)
+
+    recorder = AnswerRecorder(
+        cache.answers,
+        answer_key,
+        owner,
+        max_answer_bytes=settings.max_answer_bytes,
+        retention_s=settings.ttl_s,
+        track=track,
+        on_stored=index_answer,
+    )
+    return SemanticLookup(SemanticResult.MISS, recorder=recorder, guard_refusals=refused)
+
+
+async def _stored_answer(
+    cache: SemanticCache,
+    query: SemanticQuery,
+    candidate: Candidate,
+    owner: str,
+    lock_ttl_s: float,
+) -> StoredAnswer | None:
+    """The candidate's answer, if the store still has it (it may have expired or been
+    evicted before the index entry did)."""
+    key = candidate.entry.answer_key
+    claim = await cache.answers.claim(key, query.context, owner, lock_ttl_s)
+    if claim.state is ClaimState.COMPLETED:
+        return claim.answer
+    if claim.state is ClaimState.STARTED:
+        await cache.answers.release(key, owner)  # the claim took a lock on nothing: undo
+        cache.index.forget(query.context, key)
+    return None
+
+
+def build_semantic_cache(
+    settings: SemanticCacheConfig, answers: IdempotencyStore, entries: EntryLog
+) -> SemanticCache:
+    """The embedder the config names (loaded now: WordLlama reads its weights once), over
+    the given answer store and entry log."""
+    spec = settings.embedder
+    embedder: Embedder
+    if spec.kind == "wordllama":
+        try:
+            embedder = WordLlamaEmbedder(dimensions=spec.dimensions)
+        except (EmbeddingError, ImportError) as exc:
+            raise ConfigError(
+                f"semantic_cache.embedder wordllama cannot load: {exc} "
+                "(install kvgate's `semantic` extra)"
+            ) from exc
+    else:
+        assert spec.base_url is not None and spec.model is not None
+        api_key = None
+        if spec.api_key_env is not None:
+            api_key = os.environ.get(spec.api_key_env)
+            if not api_key:
+                raise ConfigError(
+                    f"semantic_cache.embedder.api_key_env: ${spec.api_key_env} is not set"
+                )
+        embedder = OpenAIEmbeddingsClient(
+            spec.base_url,
+            spec.model,
+            dimensions=spec.dimensions,
+            api_key=api_key,
+            send_dimensions=spec.send_dimensions,
+            timeout_s=spec.timeout_s,
+            connect_timeout_s=min(spec.timeout_s, 0.5),
+        )
+    index = SemanticIndex(
+        entries,
+        dimensions=embedder.dimensions,
+        max_entries_per_context=settings.max_entries_per_context,
+        max_mirrored_entries=settings.max_mirrored_entries,
+    )
+    return SemanticCache(embedder, index, answers)

@@ -1,0 +1,175 @@
+"""The semantic index over both entry logs (memory and real Redis): one contract, and two
+replicas' mirrors kept in step through one Redis log."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from kvgate.cache.semantic import (
+    EntryLog,
+    MemoryEntryLog,
+    RedisEntryLog,
+    SemanticEntry,
+    SemanticIndex,
+)
+
+DIM = 8
+
+
+def unit(*values: float) -> np.ndarray:
+    vector = np.zeros(DIM, dtype=np.float32)
+    vector[: len(values)] = values
+    return vector / np.linalg.norm(vector)
+
+
+def entry(key: str, vector: np.ndarray, ttl_s: float = 60.0, question: str = "q") -> SemanticEntry:
+    return SemanticEntry(
+        answer_key=key, question=question, vector=vector, expires_at=time.time() + ttl_s
+    )
+
+
+def index_over(log: EntryLog, **bounds: int) -> SemanticIndex:
+    return SemanticIndex(
+        log,
+        dimensions=DIM,
+        max_entries_per_context=bounds.get("per_context", 16),
+        max_mirrored_entries=bounds.get("mirrored", 1000),
+    )
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def log(request: pytest.FixtureRequest) -> AsyncIterator[EntryLog]:
+    if request.param == "memory":
+        yield MemoryEntryLog(max_contexts=100)
+        return
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
+    yield RedisEntryLog(client, tag, timeout_s=2)
+    keys = [key async for key in client.scan_iter(match=f"{tag}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_search_returns_entries_above_the_threshold_best_first(log: EntryLog) -> None:
+    index = index_over(log)
+    await index.add("ctx", entry("far", unit(0, 1)), 60)
+    await index.add("ctx", entry("near", unit(1, 0.1)), 60)
+    await index.add("ctx", entry("exact", unit(1, 0)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.9)
+    assert [c.entry.answer_key for c in found] == ["exact", "near"]
+    assert found[0].similarity == pytest.approx(1.0, abs=1e-6)
+    assert 0.9 <= found[1].similarity < 1.0
+
+
+async def test_contexts_never_meet(log: EntryLog) -> None:
+    index = index_over(log)
+    await index.add("ctx-a", entry("a", unit(1, 0)), 60)
+    assert await index.search("ctx-b", unit(1, 0), min_similarity=0.5) == []
+
+
+async def test_entries_added_after_a_search_are_found_by_the_next(log: EntryLog) -> None:
+    index = index_over(log)
+    assert await index.search("ctx", unit(1, 0), min_similarity=0.5) == []
+    await index.add("ctx", entry("later", unit(1, 0)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
+    assert [c.entry.answer_key for c in found] == ["later"]
+    # Searching again does not duplicate the mirror's entries.
+    assert len(await index.search("ctx", unit(1, 0), min_similarity=0.5)) == 1
+    assert index.mirrored_entries == 1
+
+
+async def test_expired_entries_are_never_returned(log: EntryLog) -> None:
+    index = index_over(log)
+    await index.add("ctx", entry("gone", unit(1, 0), ttl_s=-1), 60)
+    await index.add("ctx", entry("live", unit(1, 0.2)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
+    assert [c.entry.answer_key for c in found] == ["live"]
+
+
+async def test_a_context_keeps_its_newest_entries_only(log: EntryLog) -> None:
+    index = index_over(log, per_context=3)
+    for i in range(6):
+        await index.add("ctx", entry(f"e{i}", unit(1, i / 100)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
+    # Redis trims approximately (MAXLEN ~); the mirror applies the exact bound.
+    assert len(found) == 3
+    assert {c.entry.answer_key for c in found} == {"e3", "e4", "e5"}
+
+
+async def test_a_vector_of_another_width_is_ignored(log: EntryLog) -> None:
+    index = index_over(log)
+    await log.append("ctx", entry("wide", np.ones(DIM * 2, dtype=np.float32) / 4), 60, 16)
+    await index.add("ctx", entry("ok", unit(1, 0)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.0)
+    assert [c.entry.answer_key for c in found] == ["ok"]
+
+
+async def test_forget_drops_an_entry_from_the_mirror(log: EntryLog) -> None:
+    index = index_over(log)
+    await index.add("ctx", entry("a", unit(1, 0)), 60)
+    await index.add("ctx", entry("b", unit(1, 0.1)), 60)
+    await index.search("ctx", unit(1, 0), min_similarity=0.5)
+    index.forget("ctx", "a")
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
+    assert [c.entry.answer_key for c in found] == ["b"]
+    assert index.mirrored_entries == 1
+
+
+async def test_the_mirror_is_bounded_in_entries_over_all_contexts(log: EntryLog) -> None:
+    index = index_over(log, mirrored=4)
+    for ctx in ("c1", "c2", "c3"):
+        await index.add(ctx, entry(f"{ctx}-1", unit(1, 0)), 60)
+        await index.add(ctx, entry(f"{ctx}-2", unit(1, 0.1)), 60)
+        await index.search(ctx, unit(1, 0), min_similarity=0.5)
+    assert index.mirrored_entries <= 4
+    # An evicted context is read again from the log when searched.
+    assert len(await index.search("c1", unit(1, 0), min_similarity=0.5)) == 2
+
+
+async def test_two_replicas_share_entries_through_redis() -> None:
+    """Redis 7 has no vector search: each replica mirrors the streams and searches itself."""
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
+    try:
+        first = index_over(RedisEntryLog(client, tag, timeout_s=2))
+        second = index_over(RedisEntryLog(client, tag, timeout_s=2))
+        assert await second.search("ctx", unit(1, 0), min_similarity=0.5) == []
+        await first.add("ctx", entry("from-first", unit(1, 0), question="Q one"), 60)
+        found = await second.search("ctx", unit(1, 0), min_similarity=0.5)
+        assert [(c.entry.answer_key, c.entry.question) for c in found] == [("from-first", "Q one")]
+        np.testing.assert_array_equal(found[0].entry.vector, unit(1, 0))
+        await second.add("ctx", entry("from-second", unit(1, 0.05)), 60)
+        found = await first.search("ctx", unit(1, 0), min_similarity=0.5)
+        assert [c.entry.answer_key for c in found] == ["from-first", "from-second"]
+        # The stream expires with the entries' TTL.
+        ttl = await client.pttl(f"{tag}:sem|ctx")
+        assert 0 < ttl <= 60_000
+    finally:
+        keys = [key async for key in client.scan_iter(match=f"{tag}*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def test_a_malformed_stream_entry_is_skipped() -> None:
+    """Another writer's garbage in the stream (or a half-upgraded replica) is ignored."""
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
+    try:
+        index = index_over(RedisEntryLog(client, tag, timeout_s=2))
+        await client.xadd(f"{tag}:sem|ctx", {"a": "x", "v": "not base64!", "e": "soon"})
+        await index.add("ctx", entry("ok", unit(1, 0)), 60)
+        found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
+        assert [c.entry.answer_key for c in found] == ["ok"]
+    finally:
+        keys = [key async for key in client.scan_iter(match=f"{tag}*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
