@@ -1,0 +1,277 @@
+"""The semantic cache end to end: client -> real Envoy -> kvgate (WordLlama, or the
+simulator's /v1/embeddings) -> simulator.
+
+Each test asks in its own context (a system prompt with a fresh id): contexts never meet, so
+tests do not see each other's entries. Whether the backend worked is read from the
+simulator's own request record.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from testbed.harness import (
+    DEFAULT_MODEL_NAME,
+    Stack,
+    default_models,
+    kvgate_metrics,
+    tenant_totals,
+    wait_until,
+)
+from testbed.redis_harness import RedisStack
+
+pytest.importorskip("wordllama")
+
+TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+DEMO_KEY = "sk-kvgate-demo"
+OTHER_KEY = "sk-semantic-other"
+OPTED_OUT_KEY = "sk-semantic-opted-out"
+
+QUESTION = "What is the capital of France?"
+PARAPHRASE = "Hello! What is the capital of France, please?"
+
+
+def _tenants() -> list[dict[str, Any]]:
+    return [
+        {"name": "demo", "api_key": DEMO_KEY, "semantic_cache": True},
+        {"name": "other", "api_key": OTHER_KEY, "semantic_cache": True},
+        {"name": "opted-out", "api_key": OPTED_OUT_KEY},
+    ]
+
+
+def _models() -> list[dict[str, Any]]:
+    return [{**model, "semantic_cache": True} for model in default_models()]
+
+
+def _stack(**semantic: Any) -> Stack:
+    return Stack(
+        tenants=_tenants(),
+        models=_models(),
+        sim={"extra_args": ["--embedding-model", "wordllama"]},
+        kvgate_overrides={"semantic_cache": {"enabled": True, **semantic}},
+    )
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with _stack() as running:
+        yield running
+
+
+def _body(question: str, context: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": DEFAULT_MODEL_NAME,
+        "messages": [
+            {"role": "system", "content": f"Answer briefly. Session {context}."},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 16,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def _post(stack: Stack, body: dict[str, Any], key: str = DEMO_KEY) -> httpx.Response:
+    return httpx.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=TIMEOUT,
+    )
+
+
+def _arrived(stack: Stack) -> int:
+    records = httpx.get(f"{stack.sim_url}/sim/requests?limit=1000", timeout=5).json()
+    return sum(1 for r in records["requests"] if r["path"] == "/v1/chat/completions")
+
+
+def _answered(stack: Stack, body: dict[str, Any], key: str = DEMO_KEY) -> httpx.Response:
+    first = _post(stack, body, key)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-kvgate-cache"] == "miss"
+    return first
+
+
+def _hit(stack: Stack, body: dict[str, Any], key: str = DEMO_KEY) -> httpx.Response:
+    """The first answer is indexed at settlement, just after the client has it: wait."""
+    return wait_until(
+        lambda: _post(stack, body, key),
+        lambda r: r.headers.get("x-kvgate-cache") == "semantic-hit",
+        timeout=5,
+        interval=0.1,
+    )
+
+
+def test_a_similar_question_is_answered_without_the_backend(stack: Stack) -> None:
+    context = uuid.uuid4().hex
+    first = _answered(stack, _body(QUESTION, context))
+    arrived, before = _arrived(stack), tenant_totals(stack)
+    hit = _hit(stack, _body(PARAPHRASE, context))
+    assert hit.status_code == 200 and hit.content == first.content
+    similarity = float(hit.headers["x-kvgate-cache-similarity"])
+    assert 0 < similarity < 1
+    assert _arrived(stack) == arrived
+    # hit_charge: free: nothing booked; the saved tokens are counted.
+    assert tenant_totals(stack)["requests"] == before["requests"]
+    metrics = kvgate_metrics(stack)
+    assert metrics.total("kvgate_semantic_cache_total", result="semantic-hit") >= 1
+    usage = first.json()["usage"]
+    saved = metrics.total("kvgate_semantic_cache_saved_tokens_total", tenant="demo")
+    assert saved >= usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    "near_miss",
+    [
+        "What is the capital of Germany?",
+        "What is not the capital of France?",
+        "What was the capital of France in 1500?",
+    ],
+)
+def test_a_near_miss_reaches_the_backend(stack: Stack, near_miss: str) -> None:
+    context = uuid.uuid4().hex
+    _answered(stack, _body(QUESTION, context))
+    _hit(stack, _body(PARAPHRASE, context))  # the entry is in place
+    arrived = _arrived(stack)
+    answer = _post(stack, _body(near_miss, context))
+    assert answer.status_code == 200
+    assert answer.headers["x-kvgate-cache"] == "miss"
+    assert _arrived(stack) == arrived + 1
+
+
+def test_the_same_words_in_another_order_are_not_the_same_question(stack: Stack) -> None:
+    """A bag-of-tokens embedding sees these as identical (similarity 1.0); the guard not."""
+    context = uuid.uuid4().hex
+    _answered(stack, _body("Convert 5 km to miles", context))
+    _hit(stack, _body("convert 5 km to miles!", context))
+    arrived = _arrived(stack)
+    swapped = _post(stack, _body("Convert 5 miles to km", context))
+    assert swapped.headers["x-kvgate-cache"] == "miss"
+    assert _arrived(stack) == arrived + 1
+    assert kvgate_metrics(stack).total("kvgate_semantic_cache_guard_refusals_total") >= 1
+
+
+def test_other_tenants_and_opted_out_tenants_never_get_the_answer(stack: Stack) -> None:
+    context = uuid.uuid4().hex
+    _answered(stack, _body(QUESTION, context))
+    _hit(stack, _body(PARAPHRASE, context))
+    arrived = _arrived(stack)
+    theirs = _post(stack, _body(PARAPHRASE, context), OTHER_KEY)
+    assert theirs.headers["x-kvgate-cache"] == "miss"
+    opted_out = _post(stack, _body(PARAPHRASE, context), OPTED_OUT_KEY)
+    assert opted_out.headers["x-kvgate-cache"] == "bypass"
+    assert _arrived(stack) == arrived + 2
+
+
+def test_only_the_last_turn_may_differ_in_a_conversation(stack: Stack) -> None:
+    context = uuid.uuid4().hex
+
+    def conversation(history_answer: str, question: str) -> dict[str, Any]:
+        body = _body("Tell me about France.", context)
+        body["messages"] += [
+            {"role": "assistant", "content": history_answer},
+            {"role": "user", "content": question},
+        ]
+        return body
+
+    _answered(stack, conversation("France is in Europe.", "What is its capital?"))
+    _hit(stack, conversation("France is in Europe.", "what is its capital"))
+    arrived = _arrived(stack)
+    other_history = _post(stack, conversation("France is a republic.", "what is its capital"))
+    assert other_history.headers["x-kvgate-cache"] == "miss"
+    assert _arrived(stack) == arrived + 1
+
+
+def test_requests_with_tools_are_never_served_from_the_cache(stack: Stack) -> None:
+    context = uuid.uuid4().hex
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    arrived = _arrived(stack)
+    answers = [_post(stack, _body(QUESTION, context, tools=tools)) for _ in range(2)]
+    assert [a.headers["x-kvgate-cache"] for a in answers] == ["bypass", "bypass"]
+    assert _arrived(stack) == arrived + 2
+
+
+def test_a_semantic_hit_stream_parses_with_the_openai_sdk(stack: Stack) -> None:
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=DEMO_KEY)
+    context = uuid.uuid4().hex
+
+    def run(question: str) -> tuple[str, Any, str]:
+        response = client.chat.completions.with_raw_response.create(
+            **_body(question, context, stream=True, stream_options={"include_usage": True})
+        )
+        parts, usage = [], None
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+            usage = chunk.usage or usage
+        return "".join(parts), usage, response.headers["x-kvgate-cache"]
+
+    text, usage, result = run(QUESTION)
+    assert result == "miss" and text and usage is not None
+    arrived = _arrived(stack)
+    replay = wait_until(lambda: run(PARAPHRASE), lambda r: r[2] == "semantic-hit", timeout=5)
+    assert replay[0] == text and replay[1] == usage
+    assert _arrived(stack) == arrived
+
+
+def test_the_embedder_can_be_an_openai_compatible_endpoint() -> None:
+    """kvgate asks the simulator's /v1/embeddings (WordLlama behind vLLM's API) for vectors;
+    with the endpoint gone, requests run uncached and nothing fails."""
+    stack = _stack(threshold=0.8)
+    embedder = {"kind": "openai", "model": "wordllama-l2-supercat", "timeout_s": 2.0}
+    stack.kvgate_overrides["semantic_cache"]["embedder"] = {
+        **embedder,
+        "base_url": f"{stack.sim_url}/v1",
+    }
+    with stack:
+        context = uuid.uuid4().hex
+        _answered(stack, _body(QUESTION, context))
+        arrived = _arrived(stack)
+        _hit(stack, _body(PARAPHRASE, context))
+        assert _arrived(stack) == arrived
+        embeddings = httpx.get(f"{stack.sim_url}/sim/requests?limit=1000", timeout=5).json()
+        assert any(r["path"] == "/v1/embeddings" for r in embeddings["requests"])
+
+    dead = _stack(threshold=0.8)
+    dead.kvgate_overrides["semantic_cache"]["embedder"] = {
+        **embedder,
+        "base_url": "http://127.0.0.1:9/v1",
+    }
+    with dead:
+        answers = [_post(dead, _body(QUESTION, "dead")) for _ in range(2)]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert [a.headers["x-kvgate-cache"] for a in answers] == ["bypass", "bypass"]
+        assert kvgate_metrics(dead).total("kvgate_semantic_cache_total", result="unavailable") == 2
+
+
+def test_two_replicas_share_entries_through_redis() -> None:
+    """The entry written by one replica is found by the other: each mirrors the context's
+    Redis stream before it searches."""
+    with RedisStack(
+        tenants=_tenants(),
+        models=_models(),
+        redis_config={"timeout_s": 2.0},
+        kvgate_overrides={"semantic_cache": {"enabled": True}},
+    ) as stack:
+        context = uuid.uuid4().hex
+        first = _answered(stack, _body(QUESTION, context))
+        arrived = _arrived(stack)
+        hits = []
+        for _ in range(8):
+            answer = _hit(stack, _body(PARAPHRASE, context))
+            assert answer.content == first.content
+            hits.append(answer)
+        assert _arrived(stack) == arrived
+        per_replica = [
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            for port in (stack.kvgate_http_port, stack.kvgate_http_port2)
+        ]
+        # Envoy spreads the eight over both replicas: each answered some from the cache.
+        for text in per_replica:
+            assert 'kvgate_semantic_cache_total{result="semantic-hit"}' in text
