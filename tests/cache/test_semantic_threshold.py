@@ -55,14 +55,25 @@ def test_corpus_is_labelled_and_balanced() -> None:
         assert kinds[kind] >= 5, kind
 
 
-def test_lexical_guard(tool: ModuleType) -> None:
-    guard = tool.lexical_guard
-    assert not guard("Convert 5 km to miles.", "Convert 5 miles to km.")
-    assert not guard("Is Berlin bigger than Munich?", "Is Munich bigger than Berlin?")
-    assert not guard("My order #48213?", "My order #48231?")
-    assert not guard("What is 15% of 80?", "What is 15% of 90?")
-    assert guard("What is the capital of France?", "Which city is the capital of France?")
-    assert guard("Who won in 2018?", "Who was the winner in 2018?")
+def test_tool_measures_the_production_guard(tool: ModuleType) -> None:
+    """The tool's guard is kvgate.cache.semantic_guard, not a copy of its own."""
+    pairs = [
+        {"a": "Convert 5 km to miles.", "b": "Convert 5 miles to km.", "same": False},
+        {"a": "What is the capital of France?", "b": "what is the capital of france",
+         "same": True},
+    ]  # fmt: skip
+    assert not hasattr(tool, "lexical_guard")
+    assert tool.guard_decisions(pairs, "numbers").tolist() == [False, True]
+    assert tool.guard_decisions(pairs, "strict").tolist() == [False, True]
+
+
+def test_choose_prefers_recall_then_the_higher_threshold(tool: ModuleType) -> None:
+    def r(t: float, recall: float, fhr: float) -> dict:
+        return {"threshold": t, "recall": recall, "false_hit_rate": fhr}
+
+    rows = [r(0.5, 0.4, 0.05), r(0.6, 0.2, 0.01), r(0.7, 0.2, 0.0), r(0.8, 0.1, 0.0)]
+    assert tool.choose(rows)["threshold"] == 0.7
+    assert tool.choose([r(0.9, 0.5, 0.02)]) is None
 
 
 def test_committed_curve_is_current(tool: ModuleType) -> None:
@@ -75,7 +86,18 @@ def test_committed_curve_is_current(tool: ModuleType) -> None:
     evaluation = result["evaluation"]
     # Counts cannot flip on rounding noise: every similarity is far from every threshold.
     assert evaluation["min_margin_to_a_threshold"] > 1e-6
+    levels = evaluation["levels"]
+    assert set(levels) == {"strict", "numbers", "off"}
+    assert [r["threshold"] for r in levels["off"]["thresholds"]] == list(tool.THRESHOLDS)
+    for level in ("strict", "numbers"):
+        sweep = [r["threshold"] for r in levels[level]["thresholds"]]
+        assert sweep[0] == 0.50 and sweep[-1] == 0.99 and len(sweep) == 50
+        assert levels[level]["default"] == tool.choose(levels[level]["thresholds"])
     # What the doc states in prose.
-    assert evaluation["default"] is None
+    assert levels["off"]["default"] is None
     assert evaluation["identical_similarity_false"] == 28
-    assert evaluation["guard"]["default"]["threshold"] == 0.99
+    strict, numbers = levels["strict"]["default"], levels["numbers"]["default"]
+    assert (strict["threshold"], strict["hits_true"], strict["hits_false"]) == (0.71, 7, 0)
+    assert (numbers["threshold"], numbers["hits_true"], numbers["hits_false"]) == (0.97, 9, 0)
+    # strict lets no non-paraphrase through at all, whatever the similarity.
+    assert levels["strict"]["rejects_false"] == result["corpus"]["negatives"]
