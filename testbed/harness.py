@@ -921,7 +921,13 @@ def tenant_totals(
     stack: Stack, tenant: str = DEMO_TENANT, period: str = "this_month"
 ) -> dict[str, int]:
     """A tenant's ledger totals for `period` ("today" / "this_month"); zeros when none yet."""
-    totals = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0}
+    totals = {
+        "requests": 0,
+        "prompt_tokens": 0,
+        "output_tokens": 0,
+        "cache_hits": 0,
+        "cache_saved_tokens": 0,
+    }
     for entry in kvgate_usage(stack).get("tenants", []):
         if entry.get("tenant") == tenant:
             for key in totals:

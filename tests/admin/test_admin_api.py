@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.app import KvgateServer
 from kvgate.config import load_config
+from kvgate.lifecycle.usage_report import ledger_periods
 from tests.session.conftest import (
     SessionRig,
     body_msg,
@@ -90,6 +91,15 @@ async def test_admin_api_usage_backends_reload_and_reflection(tmp_path: Path) ->
         assert usage.today.cost_usd == "1"  # $0.50 + $0.50
         assert usage.today.remaining_usd == "4"
         assert usage.today.by_model[0].model == "qwen2.5-demo"
+        assert usage.today.cache_hits == 0
+        # A cache hit booked in the ledger shows in both periods and per model.
+        await server.store.record_cache_hit(
+            "acme", "qwen2.5-demo", 42, ledger_periods(server.clock)
+        )
+        usage = await stub.GetTenantUsage(admin_pb2.GetTenantUsageRequest(tenant="acme"))
+        for period in (usage.today, usage.this_month):
+            assert (period.cache_hits, period.cache_saved_tokens) == (1, 42)
+            assert (period.by_model[0].cache_hits, period.by_model[0].cache_saved_tokens) == (1, 42)
         try:
             await stub.GetTenantUsage(admin_pb2.GetTenantUsageRequest(tenant="nobody"))
             raise AssertionError("unknown tenant must be NOT_FOUND")

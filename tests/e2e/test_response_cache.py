@@ -90,11 +90,20 @@ def test_a_repeated_deterministic_request_is_answered_without_the_backend(stack:
     )
     assert hit.status_code == 200 and hit.content == first.content
     assert _arrived(stack) == arrived
-    # hit_charge: free -> the ledger is not charged; the saved tokens are counted.
-    assert tenant_totals(stack)["requests"] == before["requests"]
+    # hit_charge: free -> no request is charged; the ledger records the hit and the tokens
+    # it saved (booked just after the answer: waited for).
     usage = first.json()["usage"]
+    made = usage["prompt_tokens"] + usage["completion_tokens"]
+    after = wait_until(
+        lambda: tenant_totals(stack),
+        lambda t: t["cache_hits"] > before["cache_hits"],
+        timeout=5,
+    )
+    assert after["requests"] == before["requests"]
+    assert after["cache_hits"] == before["cache_hits"] + 1
+    assert after["cache_saved_tokens"] == before["cache_saved_tokens"] + made
     saved = kvgate_metrics(stack).total("kvgate_response_cache_saved_tokens_total", tenant="demo")
-    assert saved >= usage["prompt_tokens"] + usage["completion_tokens"]
+    assert saved >= made
 
 
 def test_a_replayed_stream_parses_with_the_openai_sdk(stack: Stack) -> None:

@@ -117,13 +117,21 @@ def test_a_similar_question_is_answered_without_the_backend(stack: Stack) -> Non
     similarity = float(hit.headers["x-kvgate-cache-similarity"])
     assert 0 < similarity < 1
     assert _arrived(stack) == arrived
-    # hit_charge: free: nothing booked; the saved tokens are counted.
-    assert tenant_totals(stack)["requests"] == before["requests"]
+    # hit_charge: free: no request booked; the ledger records the hit and what it saved.
+    usage = first.json()["usage"]
+    made = usage["prompt_tokens"] + usage["completion_tokens"]
+    after = wait_until(
+        lambda: tenant_totals(stack),
+        lambda t: t["cache_hits"] > before["cache_hits"],
+        timeout=5,
+    )
+    assert after["requests"] == before["requests"]
+    assert after["cache_hits"] == before["cache_hits"] + 1
+    assert after["cache_saved_tokens"] == before["cache_saved_tokens"] + made
     metrics = kvgate_metrics(stack)
     assert metrics.total("kvgate_semantic_cache_total", result="semantic-hit") >= 1
-    usage = first.json()["usage"]
     saved = metrics.total("kvgate_semantic_cache_saved_tokens_total", tenant="demo")
-    assert saved >= usage["prompt_tokens"] + usage["completion_tokens"]
+    assert saved >= made
 
 
 @pytest.mark.parametrize(

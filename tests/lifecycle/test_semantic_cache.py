@@ -46,7 +46,7 @@ def chat(question: Any, *, system: str = "Be brief.", **extra: Any) -> ParsedReq
 
 
 def test_the_defaults_are_the_measured_thresholds() -> None:
-    measured = json.loads(RESULTS.read_text())["levels"]
+    measured = json.loads(RESULTS.read_text())["evaluation"]["levels"]
     for level, threshold in DEFAULT_THRESHOLDS.items():
         assert measured[level.value]["default"]["threshold"] == pytest.approx(threshold)
     # No guard: nothing was found safe, so there is no default to fall back on.

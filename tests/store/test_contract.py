@@ -777,3 +777,23 @@ async def test_concurrent_reserves_never_over_admit(
     )
     assert sum(d.admitted for d in decisions) == expected
     assert len({d.reservation.reservation_id for d in decisions if d.reservation}) == expected
+
+
+async def test_cache_hits_are_booked_in_the_ledger_beside_settled_requests(
+    make_store: StoreFactory,
+) -> None:
+    """A hit adds to the hit count and the saved tokens, all-time and per period; it is
+    neither a request nor tokens served."""
+    store = make_store()
+    reservation = await admitted(store, req(95, 100))
+    assert await settle(store, reservation, 95, 7, cost=10)
+    await store.record_cache_hit("t", "m", 102, ["2026-12-01", "2026-12"])
+    await store.record_cache_hit("t", "m", 50, ["2026-12-01", "2026-12"])
+    totals = (await store.usage_totals())[("t", "m")]
+    assert (totals.requests, totals.prompt_tokens, totals.output_tokens) == (1, 95, 7)
+    assert (totals.cache_hits, totals.cache_saved_tokens) == (2, 152)
+    usage = await store.tenant_usage("t", ["2026-12-01", "2026-12", "2026-11"])
+    for period in ("2026-12-01", "2026-12"):
+        booked = usage.by_period_model[(period, "m")]
+        assert (booked.cache_hits, booked.cache_saved_tokens) == (2, 152)
+    assert ("2026-11", "m") not in usage.by_period_model

@@ -25,6 +25,8 @@ def _period(entry: dict[str, Any]) -> admin_pb2.PeriodUsage:
         reserved_usd=entry["reserved_usd"],
         budget_usd=entry.get("budget_usd", ""),
         remaining_usd=entry.get("remaining_usd", ""),
+        cache_hits=entry["cache_hits"],
+        cache_saved_tokens=entry["cache_saved_tokens"],
         by_model=[
             admin_pb2.ModelUsage(
                 model=model,
@@ -33,6 +35,8 @@ def _period(entry: dict[str, Any]) -> admin_pb2.PeriodUsage:
                 cached_prompt_tokens=totals["cached_prompt_tokens"],
                 output_tokens=totals["output_tokens"],
                 cost_usd=totals["cost_usd"],
+                cache_hits=totals["cache_hits"],
+                cache_saved_tokens=totals["cache_saved_tokens"],
             )
             for model, totals in entry["by_model"].items()
         ],

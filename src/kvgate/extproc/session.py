@@ -54,7 +54,7 @@ from kvgate.lifecycle.response_cache import lookup as cache_lookup
 from kvgate.lifecycle.semantic_cache import SemanticResult, semantic_query
 from kvgate.lifecycle.semantic_cache import applies as semantic_applies
 from kvgate.lifecycle.semantic_cache import lookup as semantic_lookup
-from kvgate.lifecycle.usage_report import tenant_usage_report
+from kvgate.lifecycle.usage_report import record_cache_hit, tenant_usage_report
 from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
 from kvgate.openai import errors as api_errors
 from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy, pico_to_usd, shadowed
@@ -763,6 +763,9 @@ class StreamSession:
             decision = await charge_hit(self._svc.store, self._tenant_policy, route, answer, owner)
             if not decision.admitted:
                 raise Rejected(rejection_of(decision))
+        self._svc.track(
+            self._book_cache_hit(request.model, answer.prompt_tokens + answer.output_tokens)
+        )
         # A hit completes this request's Idempotency-Key too: its duplicates replay it. A
         # cache entry this request would have made is given up: a semantic hit's answer is
         # not the exact answer to this request.
@@ -783,6 +786,17 @@ class StreamSession:
             details=f"kvgate_{reason}",
             dynamic_metadata=self._metadata(reason),
         )
+
+    async def _book_cache_hit(self, model: str, saved_tokens: int) -> None:
+        """The ledger records the hit and the tokens it saved (after the answer: a store
+        that is slow or down delays and fails no hit)."""
+        assert self.tenant is not None
+        try:
+            await record_cache_hit(
+                self._svc.store, self._svc.clock, self.tenant, model, saved_tokens
+            )
+        except StoreUnavailable as exc:
+            log.warning("a cache hit was not booked in the ledger: %s", exc)
 
     async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
         if len(body) <= PARSE_OFF_LOOP_BYTES:

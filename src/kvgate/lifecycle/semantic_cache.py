@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 # threshold with the highest recall whose false-hit rate on the project's paraphrase corpus
 # is at most 1 % (tools/semantic_threshold.py; a test checks these against its results).
 DEFAULT_THRESHOLDS: dict[GuardLevel, float] = {
-    GuardLevel.STRICT: 0.8,
-    GuardLevel.NUMBERS: 0.99,
+    GuardLevel.STRICT: 0.71,
+    GuardLevel.NUMBERS: 0.97,
 }
 
 # Stored questions above the threshold checked by the guard, best first: the rest are less

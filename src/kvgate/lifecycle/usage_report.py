@@ -22,7 +22,22 @@ def _totals(totals: UsageTotals) -> dict[str, Any]:
         "cached_prompt_tokens": totals.cached_tokens,
         "output_tokens": totals.output_tokens,
         "cost_usd": _money(totals.cost_pico),
+        "cache_hits": totals.cache_hits,
+        "cache_saved_tokens": totals.cache_saved_tokens,
     }
+
+
+def ledger_periods(clock: Clock) -> list[str]:
+    """The ledger's period keys for now: today and this month."""
+    wall = clock.wall()
+    return [period_key(period, wall) for period in (Period.DAY, Period.MONTH)]
+
+
+async def record_cache_hit(
+    store: StateStore, clock: Clock, tenant: str, model: str, saved_tokens: int
+) -> None:
+    """Book a cache hit in the tenant's ledger (all-time, today, this month)."""
+    await store.record_cache_hit(tenant, model, saved_tokens, ledger_periods(clock))
 
 
 async def tenant_usage_report(
@@ -47,6 +62,8 @@ async def tenant_usage_report(
                 total.cached_tokens += totals.cached_tokens
                 total.output_tokens += totals.output_tokens
                 total.cost_pico += totals.cost_pico
+                total.cache_hits += totals.cache_hits
+                total.cache_saved_tokens += totals.cache_saved_tokens
         entry: dict[str, Any] = {
             "period": key,
             "resets_in_s": round(seconds_until_reset(period, wall)),

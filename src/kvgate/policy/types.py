@@ -171,6 +171,11 @@ class UsageTotals:
     output_tokens: int = 0
     cached_tokens: int = 0
     cost_pico: int = 0
+    # Requests answered from a cache (exact or semantic) without reaching a backend, and the
+    # prompt and output tokens the answers they replayed took. A charged hit also counts
+    # among `requests` and the tokens above; a free one only here.
+    cache_hits: int = 0
+    cache_saved_tokens: int = 0
 
     def add(self, usage: ActualUsage, cost_pico: int) -> None:
         self.requests += 1

@@ -106,6 +106,13 @@ class StateStore(Protocol):
         committed. The (tenant, request id) pair must identify one admission."""
         ...
 
+    async def record_cache_hit(
+        self, tenant: str, model: str, saved_tokens: int, period_keys: Iterable[str]
+    ) -> None:
+        """Book a request answered from a cache in the ledger: all-time and for the given
+        periods (the day and the month)."""
+        ...
+
     async def backend_status(self) -> list[BackendStatus]: ...
 
     async def usage_totals(self) -> dict[tuple[str, str], UsageTotals]:

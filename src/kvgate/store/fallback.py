@@ -431,6 +431,17 @@ class FallbackStore:
                 seen.requests_in_flight += status.requests_in_flight
         return list(merged.values())
 
+    async def record_cache_hit(
+        self, tenant: str, model: str, saved_tokens: int, period_keys: Iterable[str]
+    ) -> None:
+        if not self._up:
+            raise StoreUnavailable("the shared state store is unavailable", self._retry_after_s)
+        try:
+            await self._shared.record_cache_hit(tenant, model, saved_tokens, period_keys)
+        except StoreUnavailable as exc:
+            self._mark_down("cache_hit", exc)
+            raise
+
     async def usage_totals(self) -> dict[tuple[str, str], UsageTotals]:
         if not self._up:
             raise StoreUnavailable("the shared state store is unavailable", self._retry_after_s)

@@ -273,6 +273,17 @@ class MemoryStore:
         self._sweep(self._clock.now())
         return [ledger.status() for ledger in self._backends.values()]
 
+    async def record_cache_hit(
+        self, tenant: str, model: str, saved_tokens: int, period_keys: Iterable[str]
+    ) -> None:
+        rows = [self._totals.setdefault((tenant, model), UsageTotals())]
+        rows += [
+            self._ledger.setdefault((tenant, key, model), UsageTotals()) for key in period_keys
+        ]
+        for totals in rows:
+            totals.cache_hits += 1
+            totals.cache_saved_tokens += saved_tokens
+
     async def usage_totals(self) -> dict[tuple[str, str], UsageTotals]:
         return {key: replace(totals) for key, totals in self._totals.items()}
 

@@ -298,6 +298,8 @@ _TOTAL_FIELDS = {
     "ot": "output_tokens",
     "ct": "cached_tokens",
     "cost": "cost_pico",
+    "hit": "cache_hits",
+    "hst": "cache_saved_tokens",
 }
 
 
@@ -651,6 +653,22 @@ class RedisStore:
             )
             for name, budget, kv, count, max_concurrent in sorted(_list(result.get("backends")))
         ]
+
+    async def record_cache_hit(
+        self, tenant: str, model: str, saved_tokens: int, period_keys: Iterable[str]
+    ) -> None:
+        # The same hashes and field names as settle.lua's ledger (`hit`, `hst` beside `req`,
+        # `pt`, ...), one MULTI so a reader never sees the all-time and period rows disagree.
+        def book() -> Any:
+            pipe = self._client.pipeline(transaction=True)
+            rows = [(f"{self._tag}:tot", f"{tenant}|{model}|")]
+            rows += [(f"{self._tag}:l|{tenant}|{key}", f"{model}|") for key in period_keys]
+            for key, prefix in rows:
+                pipe.hincrby(key, prefix + "hit", 1)
+                pipe.hincrby(key, prefix + "hst", saved_tokens)
+            return pipe.execute()
+
+        await self._bounded("record_cache_hit", book)
 
     async def usage_totals(self) -> dict[tuple[str, str], UsageTotals]:
         raw: dict[Any, Any] = await self._bounded(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvgate/admin/v1/admin.proto\x12\x0fkvgate.admin.v1\"\'\n\x15GetTenantUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x18\n\x16ListTenantUsageRequest\"H\n\x17ListTenantUsageResponse\x12-\n\x07tenants\x18\x01 \x03(\x0b\x32\x1c.kvgate.admin.v1.TenantUsage\"\x8b\x01\n\nModelUsage\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x03\x12\x15\n\routput_tokens\x18\x05 \x01(\x03\x12\x10\n\x08\x63ost_usd\x18\x06 \x01(\t\"\x98\x02\n\x0bPeriodUsage\x12\x0e\n\x06period\x18\x01 \x01(\t\x12\x19\n\x11resets_in_seconds\x18\x02 \x01(\x03\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x03\x12\x15\n\routput_tokens\x18\x06 \x01(\x03\x12\x10\n\x08\x63ost_usd\x18\x07 \x01(\t\x12\x14\n\x0creserved_usd\x18\x08 \x01(\t\x12\x12\n\nbudget_usd\x18\t \x01(\t\x12\x15\n\rremaining_usd\x18\n \x01(\t\x12-\n\x08\x62y_model\x18\x0b \x03(\x0b\x32\x1b.kvgate.admin.v1.ModelUsage\"|\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12+\n\x05today\x18\x02 \x01(\x0b\x32\x1c.kvgate.admin.v1.PeriodUsage\x12\x30\n\nthis_month\x18\x03 \x01(\x0b\x32\x1c.kvgate.admin.v1.PeriodUsage\"\x15\n\x13ListBackendsRequest\"\x8b\x01\n\x07\x42\x61\x63kend\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10kv_budget_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13kv_tokens_in_flight\x18\x03 \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\x03\x12\x1f\n\x17max_concurrent_requests\x18\x05 \x01(\x03\"B\n\x14ListBackendsResponse\x12*\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x18.kvgate.admin.v1.Backend\"\x0f\n\rReloadRequest\"D\n\x0eReloadResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x32\xed\x02\n\x05\x41\x64min\x12V\n\x0eGetTenantUsage\x12&.kvgate.admin.v1.GetTenantUsageRequest\x1a\x1c.kvgate.admin.v1.TenantUsage\x12\x64\n\x0fListTenantUsage\x12\'.kvgate.admin.v1.ListTenantUsageRequest\x1a(.kvgate.admin.v1.ListTenantUsageResponse\x12[\n\x0cListBackends\x12$.kvgate.admin.v1.ListBackendsRequest\x1a%.kvgate.admin.v1.ListBackendsResponse\x12I\n\x06Reload\x12\x1e.kvgate.admin.v1.ReloadRequest\x1a\x1f.kvgate.admin.v1.ReloadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvgate/admin/v1/admin.proto\x12\x0fkvgate.admin.v1\"\'\n\x15GetTenantUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x18\n\x16ListTenantUsageRequest\"H\n\x17ListTenantUsageResponse\x12-\n\x07tenants\x18\x01 \x03(\x0b\x32\x1c.kvgate.admin.v1.TenantUsage\"\xbb\x01\n\nModelUsage\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x03\x12\x15\n\routput_tokens\x18\x05 \x01(\x03\x12\x10\n\x08\x63ost_usd\x18\x06 \x01(\t\x12\x12\n\ncache_hits\x18\x07 \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_saved_tokens\x18\x08 \x01(\x03\"\xc8\x02\n\x0bPeriodUsage\x12\x0e\n\x06period\x18\x01 \x01(\t\x12\x19\n\x11resets_in_seconds\x18\x02 \x01(\x03\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x03\x12\x15\n\routput_tokens\x18\x06 \x01(\x03\x12\x10\n\x08\x63ost_usd\x18\x07 \x01(\t\x12\x14\n\x0creserved_usd\x18\x08 \x01(\t\x12\x12\n\nbudget_usd\x18\t \x01(\t\x12\x15\n\rremaining_usd\x18\n \x01(\t\x12-\n\x08\x62y_model\x18\x0b \x03(\x0b\x32\x1b.kvgate.admin.v1.ModelUsage\x12\x12\n\ncache_hits\x18\x0c \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_saved_tokens\x18\r \x01(\x03\"|\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12+\n\x05today\x18\x02 \x01(\x0b\x32\x1c.kvgate.admin.v1.PeriodUsage\x12\x30\n\nthis_month\x18\x03 \x01(\x0b\x32\x1c.kvgate.admin.v1.PeriodUsage\"\x15\n\x13ListBackendsRequest\"\x8b\x01\n\x07\x42\x61\x63kend\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10kv_budget_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13kv_tokens_in_flight\x18\x03 \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\x03\x12\x1f\n\x17max_concurrent_requests\x18\x05 \x01(\x03\"B\n\x14ListBackendsResponse\x12*\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x18.kvgate.admin.v1.Backend\"\x0f\n\rReloadRequest\"D\n\x0eReloadResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x32\xed\x02\n\x05\x41\x64min\x12V\n\x0eGetTenantUsage\x12&.kvgate.admin.v1.GetTenantUsageRequest\x1a\x1c.kvgate.admin.v1.TenantUsage\x12\x64\n\x0fListTenantUsage\x12\'.kvgate.admin.v1.ListTenantUsageRequest\x1a(.kvgate.admin.v1.ListTenantUsageResponse\x12[\n\x0cListBackends\x12$.kvgate.admin.v1.ListBackendsRequest\x1a%.kvgate.admin.v1.ListBackendsResponse\x12I\n\x06Reload\x12\x1e.kvgate.admin.v1.ReloadRequest\x1a\x1f.kvgate.admin.v1.ReloadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTTENANTUSAGERESPONSE']._serialized_start=115
   _globals['_LISTTENANTUSAGERESPONSE']._serialized_end=187
   _globals['_MODELUSAGE']._serialized_start=190
-  _globals['_MODELUSAGE']._serialized_end=329
-  _globals['_PERIODUSAGE']._serialized_start=332
-  _globals['_PERIODUSAGE']._serialized_end=612
-  _globals['_TENANTUSAGE']._serialized_start=614
-  _globals['_TENANTUSAGE']._serialized_end=738
-  _globals['_LISTBACKENDSREQUEST']._serialized_start=740
-  _globals['_LISTBACKENDSREQUEST']._serialized_end=761
-  _globals['_BACKEND']._serialized_start=764
-  _globals['_BACKEND']._serialized_end=903
-  _globals['_LISTBACKENDSRESPONSE']._serialized_start=905
-  _globals['_LISTBACKENDSRESPONSE']._serialized_end=971
-  _globals['_RELOADREQUEST']._serialized_start=973
-  _globals['_RELOADREQUEST']._serialized_end=988
-  _globals['_RELOADRESPONSE']._serialized_start=990
-  _globals['_RELOADRESPONSE']._serialized_end=1058
-  _globals['_ADMIN']._serialized_start=1061
-  _globals['_ADMIN']._serialized_end=1426
+  _globals['_MODELUSAGE']._serialized_end=377
+  _globals['_PERIODUSAGE']._serialized_start=380
+  _globals['_PERIODUSAGE']._serialized_end=708
+  _globals['_TENANTUSAGE']._serialized_start=710
+  _globals['_TENANTUSAGE']._serialized_end=834
+  _globals['_LISTBACKENDSREQUEST']._serialized_start=836
+  _globals['_LISTBACKENDSREQUEST']._serialized_end=857
+  _globals['_BACKEND']._serialized_start=860
+  _globals['_BACKEND']._serialized_end=999
+  _globals['_LISTBACKENDSRESPONSE']._serialized_start=1001
+  _globals['_LISTBACKENDSRESPONSE']._serialized_end=1067
+  _globals['_RELOADREQUEST']._serialized_start=1069
+  _globals['_RELOADREQUEST']._serialized_end=1084
+  _globals['_RELOADRESPONSE']._serialized_start=1086
+  _globals['_RELOADRESPONSE']._serialized_end=1154
+  _globals['_ADMIN']._serialized_start=1157
+  _globals['_ADMIN']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)

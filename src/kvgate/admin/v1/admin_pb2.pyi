@@ -23,23 +23,27 @@ class ListTenantUsageResponse(_message.Message):
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
 
 class ModelUsage(_message.Message):
-    __slots__ = ("model", "requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "cost_usd")
+    __slots__ = ("model", "requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "cost_usd", "cache_hits", "cache_saved_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COST_USD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     requests: int
     prompt_tokens: int
     cached_prompt_tokens: int
     output_tokens: int
     cost_usd: str
-    def __init__(self, model: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ...) -> None: ...
+    cache_hits: int
+    cache_saved_tokens: int
+    def __init__(self, model: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ..., cache_hits: _Optional[int] = ..., cache_saved_tokens: _Optional[int] = ...) -> None: ...
 
 class PeriodUsage(_message.Message):
-    __slots__ = ("period", "resets_in_seconds", "requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "cost_usd", "reserved_usd", "budget_usd", "remaining_usd", "by_model")
+    __slots__ = ("period", "resets_in_seconds", "requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "cost_usd", "reserved_usd", "budget_usd", "remaining_usd", "by_model", "cache_hits", "cache_saved_tokens")
     PERIOD_FIELD_NUMBER: _ClassVar[int]
     RESETS_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +55,8 @@ class PeriodUsage(_message.Message):
     BUDGET_USD_FIELD_NUMBER: _ClassVar[int]
     REMAINING_USD_FIELD_NUMBER: _ClassVar[int]
     BY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     period: str
     resets_in_seconds: int
     requests: int
@@ -62,7 +68,9 @@ class PeriodUsage(_message.Message):
     budget_usd: str
     remaining_usd: str
     by_model: _containers.RepeatedCompositeFieldContainer[ModelUsage]
-    def __init__(self, period: _Optional[str] = ..., resets_in_seconds: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ..., reserved_usd: _Optional[str] = ..., budget_usd: _Optional[str] = ..., remaining_usd: _Optional[str] = ..., by_model: _Optional[_Iterable[_Union[ModelUsage, _Mapping]]] = ...) -> None: ...
+    cache_hits: int
+    cache_saved_tokens: int
+    def __init__(self, period: _Optional[str] = ..., resets_in_seconds: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ..., reserved_usd: _Optional[str] = ..., budget_usd: _Optional[str] = ..., remaining_usd: _Optional[str] = ..., by_model: _Optional[_Iterable[_Union[ModelUsage, _Mapping]]] = ..., cache_hits: _Optional[int] = ..., cache_saved_tokens: _Optional[int] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
     __slots__ = ("tenant", "today", "this_month")
