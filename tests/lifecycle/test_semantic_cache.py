@@ -49,10 +49,16 @@ def test_the_defaults_are_the_measured_thresholds() -> None:
     measured = json.loads(RESULTS.read_text())["evaluation"]["levels"]
     for level, threshold in DEFAULT_THRESHOLDS.items():
         assert measured[level.value]["default"]["threshold"] == pytest.approx(threshold)
-    # No guard: nothing was found safe, so there is no default to fall back on.
-    assert GuardLevel.OFF not in DEFAULT_THRESHOLDS
+    # No guard: nothing was found safe; numbers: safe by a margin of 0.002 only. Neither has
+    # a default to fall back on.
+    assert set(DEFAULT_THRESHOLDS) == {GuardLevel.STRICT}
+    for guard in ("off", "numbers"):
+        with pytest.raises(ValueError, match="threshold is required"):
+            SemanticCacheConfig(enabled=True, guard=guard)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="threshold is required"):
-        SemanticCacheConfig(enabled=True, guard="off")
+        SemanticCacheConfig(
+            enabled=True, embedder={"kind": "openai", "base_url": "http://e/v1", "model": "m"}
+        )  # type: ignore[arg-type]
 
 
 def test_only_the_last_user_turn_may_differ() -> None:

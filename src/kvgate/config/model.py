@@ -581,8 +581,8 @@ class SemanticCacheConfig(_Strict):
     enabled: bool = False
     embedder: SemanticEmbedderConfig = SemanticEmbedderConfig()
     # A hit needs cosine similarity >= threshold AND the lexical guard's consent. None: the
-    # measured default for WordLlama with this guard (docs/semantic-cache.md); any other
-    # embedder, or no guard, must set the threshold it was measured at.
+    # measured default for WordLlama with the strict guard (docs/semantic-cache.md); any
+    # other embedder or guard must set the threshold it was measured at.
     threshold: float | None = Field(default=None, gt=0, le=1)
     # strict: the same content words in the same order (filler and articles aside);
     # numbers: the same numbers and negations, never the same words reordered; off: none.
@@ -607,7 +607,7 @@ class SemanticCacheConfig(_Strict):
 
     @model_validator(mode="after")
     def _threshold(self) -> SemanticCacheConfig:
-        if self.threshold is None and (self.embedder.kind != "wordllama" or self.guard == "off"):
+        if self.threshold is None and (self.embedder.kind != "wordllama" or self.guard != "strict"):
             raise ValueError(
                 "semantic_cache.threshold is required for this embedder and guard: no "
                 "default was measured for them (tools/semantic_threshold.py measures one)"
