@@ -161,6 +161,27 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "server.grpc_listen": {"server.grpc_listen": "127.0.0.1:1"},
     "idempotency.memory_max_bytes": {"idempotency.memory_max_bytes": 2 * 1024 * 1024},
     "response_cache.memory_max_bytes": {"response_cache.memory_max_bytes": 2 * 1024 * 1024},
+    # The semantic cache's embedder and index are built at start.
+    "semantic_cache.enabled": {"semantic_cache.enabled": True},
+    "semantic_cache.embedder.kind": {
+        "semantic_cache.embedder": {"kind": "openai", "base_url": "http://e/v1", "model": "m"},
+        "semantic_cache.threshold": 0.9,
+    },
+    "semantic_cache.embedder.dimensions": {"semantic_cache.embedder.dimensions": 128},
+    "semantic_cache.embedder.base_url": {
+        "semantic_cache.embedder": {"kind": "openai", "base_url": "http://e/v1", "model": "m"},
+        "semantic_cache.threshold": 0.9,
+    },
+    "semantic_cache.embedder.model": {
+        "semantic_cache.embedder": {"kind": "openai", "base_url": "http://e/v1", "model": "m"},
+        "semantic_cache.threshold": 0.9,
+    },
+    "semantic_cache.embedder.api_key_env": {"semantic_cache.embedder.api_key_env": "EMBED_KEY"},
+    "semantic_cache.embedder.send_dimensions": {"semantic_cache.embedder.send_dimensions": True},
+    "semantic_cache.embedder.timeout_s": {"semantic_cache.embedder.timeout_s": 1.0},
+    "semantic_cache.max_entries_per_context": {"semantic_cache.max_entries_per_context": 8},
+    "semantic_cache.max_mirrored_entries": {"semantic_cache.max_mirrored_entries": 8},
+    "semantic_cache.memory_max_contexts": {"semantic_cache.memory_max_contexts": 8},
     "server.http_listen": {"server.http_listen": "127.0.0.1:2"},
     "server.admin_listen": {"server.admin_listen": "127.0.0.1:3"},
     "server.lease_ttl_s": {"server.lease_ttl_s": 60.0},
