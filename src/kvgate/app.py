@@ -116,7 +116,7 @@ class KvgateServer:
         self._response_cache_store: IdempotencyStore = MemoryIdempotencyStore(
             config.response_cache.memory_max_bytes
         )
-        self._semantic_entries: EntryLog = MemoryEntryLog(config.semantic_cache.memory_max_contexts)
+        self._semantic_entries: EntryLog = MemoryEntryLog(config.semantic_cache.memory_max_bytes)
         self.store: StateStore = self._build_store(config)
         # Built at start when on (WordLlama loads its weights here): a change needs a restart.
         self.semantic_cache: SemanticCache | None = (

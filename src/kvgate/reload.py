@@ -184,8 +184,8 @@ FIELD_CLASSES: dict[str, str] = {
         )
     },
     "semantic_cache.max_entries_per_context": RESTART,
-    "semantic_cache.max_mirrored_entries": RESTART,
-    "semantic_cache.memory_max_contexts": RESTART,
+    "semantic_cache.mirror_max_bytes": RESTART,
+    "semantic_cache.memory_max_bytes": RESTART,
     **{
         f"semantic_cache.{name}": RELOAD
         for name in (

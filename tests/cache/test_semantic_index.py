@@ -17,6 +17,7 @@ from kvgate.cache.semantic import (
     RedisEntryLog,
     SemanticEntry,
     SemanticIndex,
+    entry_bytes,
 )
 
 DIM = 8
@@ -39,14 +40,14 @@ def index_over(log: EntryLog, **bounds: int) -> SemanticIndex:
         log,
         dimensions=DIM,
         max_entries_per_context=bounds.get("per_context", 16),
-        max_mirrored_entries=bounds.get("mirrored", 1000),
+        max_mirrored_bytes=bounds.get("mirrored_bytes", 1 << 20),
     )
 
 
 @pytest.fixture(params=["memory", "redis"])
 async def log(request: pytest.FixtureRequest) -> AsyncIterator[EntryLog]:
     if request.param == "memory":
-        yield MemoryEntryLog(max_contexts=100)
+        yield MemoryEntryLog(max_bytes=1 << 20)
         return
     client = aioredis.Redis(host="127.0.0.1", port=6379)
     tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
@@ -122,13 +123,14 @@ async def test_forget_drops_an_entry_from_the_mirror(log: EntryLog) -> None:
     assert index.mirrored_entries == 1
 
 
-async def test_the_mirror_is_bounded_in_entries_over_all_contexts(log: EntryLog) -> None:
-    index = index_over(log, mirrored=4)
+async def test_the_mirror_is_bounded_in_bytes_over_all_contexts(log: EntryLog) -> None:
+    one = entry_bytes(entry("c1-1", unit(1, 0)))
+    index = index_over(log, mirrored_bytes=4 * one + one // 2)
     for ctx in ("c1", "c2", "c3"):
         await index.add(ctx, entry(f"{ctx}-1", unit(1, 0)), 60)
         await index.add(ctx, entry(f"{ctx}-2", unit(1, 0.1)), 60)
         await index.search(ctx, unit(1, 0), min_similarity=0.5)
-    assert index.mirrored_entries <= 4
+    assert index.mirrored_entries == 4 and index.mirrored_bytes == 4 * one
     # An evicted context is read again from the log when searched.
     assert len(await index.search("c1", unit(1, 0), min_similarity=0.5)) == 2
 
@@ -173,3 +175,15 @@ async def test_a_malformed_stream_entry_is_skipped() -> None:
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+async def test_the_memory_log_is_bounded_in_bytes_oldest_context_first() -> None:
+    """A tenant asking in ever new contexts cannot grow the process: the least recently
+    written contexts go."""
+    one = entry_bytes(entry("k-0", unit(1, 0)))
+    log = MemoryEntryLog(max_bytes=10 * one)
+    for i in range(50):
+        await log.append(f"ctx-{i}", entry(f"k-{i % 10}", unit(1, i)), 60, 16)
+    assert log.size_bytes <= 10 * one
+    assert (await log.read_since("ctx-0", None))[1] == []
+    assert len((await log.read_since("ctx-49", None))[1]) == 1

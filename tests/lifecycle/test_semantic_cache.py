@@ -141,7 +141,7 @@ def test_completions_use_a_string_prompt_only() -> None:
 @pytest.fixture
 async def cache() -> Any:
     built = build_semantic_cache(
-        SETTINGS, MemoryIdempotencyStore(1 << 20), MemoryEntryLog(max_contexts=10)
+        SETTINGS, MemoryIdempotencyStore(1 << 20), MemoryEntryLog(max_bytes=1 << 20)
     )
     yield built
     await built.close()

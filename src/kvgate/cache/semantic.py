@@ -46,6 +46,12 @@ class SemanticEntry:
     expires_at: float  # wall clock (time.time()): comparable across replicas
 
 
+def entry_bytes(entry: SemanticEntry) -> int:
+    """What an entry holds in memory, about: its vector twice (the entry's and its row in
+    the bucket's matrix), the question's UTF-8 and the objects around them."""
+    return 2 * entry.vector.nbytes + len(entry.question.encode()) + len(entry.answer_key) + 200
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     similarity: float
@@ -67,27 +73,35 @@ class EntryLog(Protocol):
 
 
 class MemoryEntryLog:
-    """One process's entries, bounded per context and in contexts (least recently written
-    dropped first)."""
+    """One process's entries, bounded per context and in bytes over all contexts (the least
+    recently written context dropped first)."""
 
-    def __init__(self, max_contexts: int, clock: Callable[[], float] = time.time) -> None:
-        self._max_contexts = max_contexts
+    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.time) -> None:
+        self._max_bytes = max_bytes
         self._clock = clock
         self._next_id = 0
         # context -> [(sequence number, entry)], oldest first
         self._contexts: OrderedDict[str, list[tuple[int, SemanticEntry]]] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
 
     async def append(
         self, context: str, entry: SemanticEntry, ttl_s: float, max_entries: int
     ) -> None:
         self._next_id += 1
         entries = self._contexts.pop(context, [])
+        self._bytes -= sum(entry_bytes(item) for _, item in entries)
         entries.append((self._next_id, entry))
         now = self._clock()
         entries = [item for item in entries[-max_entries:] if item[1].expires_at > now]
         self._contexts[context] = entries
-        while len(self._contexts) > self._max_contexts:
-            self._contexts.popitem(last=False)
+        self._bytes += sum(entry_bytes(item) for _, item in entries)
+        while self._bytes > self._max_bytes and len(self._contexts) > 1:
+            _, dropped = self._contexts.popitem(last=False)
+            self._bytes -= sum(entry_bytes(item) for _, item in dropped)
 
     async def read_since(
         self, context: str, cursor: str | None
@@ -100,6 +114,7 @@ class MemoryEntryLog:
 
     async def close(self) -> None:
         self._contexts.clear()
+        self._bytes = 0
 
 
 class RedisEntryLog:
@@ -188,16 +203,17 @@ class SemanticIndex:
         *,
         dimensions: int,
         max_entries_per_context: int,
-        max_mirrored_entries: int,
+        max_mirrored_bytes: int,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._log = log
         self._dimensions = dimensions
         self._max_per_context = max_entries_per_context
-        self._max_mirrored = max_mirrored_entries
+        self._max_mirrored_bytes = max_mirrored_bytes
         self._clock = clock
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
         self._mirrored = 0
+        self._mirrored_bytes = 0
 
     @property
     def log(self) -> EntryLog:
@@ -206,6 +222,10 @@ class SemanticIndex:
     @property
     def mirrored_entries(self) -> int:
         return self._mirrored
+
+    @property
+    def mirrored_bytes(self) -> int:
+        return self._mirrored_bytes
 
     async def search(
         self, context: str, vector: Vector, *, min_similarity: float
@@ -240,8 +260,7 @@ class SemanticIndex:
         if bucket is None:
             return
         kept = [entry for entry in bucket.entries if entry.answer_key != answer_key]
-        self._mirrored -= len(bucket.entries) - len(kept)
-        bucket.entries, bucket.matrix = kept, None
+        self._replace(bucket, kept)
 
     async def _sync(self, context: str) -> _Bucket:
         bucket = self._buckets.pop(context, None) or _Bucket()
@@ -256,12 +275,17 @@ class SemanticIndex:
         ]
         expired = [entry for entry in bucket.entries if entry.expires_at <= now]
         if valid or expired:
-            before = len(bucket.entries)
             kept = [entry for entry in bucket.entries if entry.expires_at > now] + valid
-            bucket.entries = kept[-self._max_per_context :]
-            bucket.matrix = None
-            self._mirrored += len(bucket.entries) - before
-        while self._mirrored > self._max_mirrored and len(self._buckets) > 1:
+            self._replace(bucket, kept[-self._max_per_context :])
+        while self._mirrored_bytes > self._max_mirrored_bytes and len(self._buckets) > 1:
             _, oldest = self._buckets.popitem(last=False)
             self._mirrored -= len(oldest.entries)
+            self._mirrored_bytes -= sum(entry_bytes(entry) for entry in oldest.entries)
         return bucket
+
+    def _replace(self, bucket: _Bucket, entries: list[SemanticEntry]) -> None:
+        self._mirrored += len(entries) - len(bucket.entries)
+        self._mirrored_bytes += sum(entry_bytes(e) for e in entries) - sum(
+            entry_bytes(e) for e in bucket.entries
+        )
+        bucket.entries, bucket.matrix = entries, None

@@ -601,9 +601,10 @@ class SemanticCacheConfig(_Strict):
     # The bucket of one context (the search runs over it); older entries drop out.
     max_entries_per_context: int = Field(default=256, ge=1, le=65_536)
     # This replica's mirror of the entries, in all contexts (least recently searched first
-    # out); the memory log keeps this many contexts.
-    max_mirrored_entries: int = Field(default=100_000, ge=1)
-    memory_max_contexts: int = Field(default=10_000, ge=1)
+    # out), and the memory store's entries (least recently written context first out), in
+    # bytes: about 2 KB an entry (its 256-float vector twice and the question).
+    mirror_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
+    memory_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
 
     @model_validator(mode="after")
     def _threshold(self) -> SemanticCacheConfig:

@@ -314,6 +314,6 @@ def build_semantic_cache(
         entries,
         dimensions=embedder.dimensions,
         max_entries_per_context=settings.max_entries_per_context,
-        max_mirrored_entries=settings.max_mirrored_entries,
+        max_mirrored_bytes=settings.mirror_max_bytes,
     )
     return SemanticCache(embedder, index, answers)
