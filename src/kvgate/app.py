@@ -24,10 +24,10 @@ from kvgate.admin.auth import (
 from kvgate.admin.service import AdminService
 from kvgate.admin.tls import OperatorTls
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
-from kvgate.cache.idempotency import (
-    IdempotencyStore,
-    MemoryIdempotencyStore,
-    RedisIdempotencyStore,
+from kvgate.cache.answers import (
+    AnswerStore,
+    MemoryAnswerStore,
+    RedisAnswerStore,
 )
 from kvgate.cache.semantic import EntryLog, MemoryEntryLog, RedisEntryLog
 from kvgate.capacity.pools import PoolRegistry
@@ -110,10 +110,10 @@ class KvgateServer:
         # None when tracing is off; enabled without the `otel` extra: ConfigError naming it.
         # span_exporter replaces the OTLP exporter (tests).
         self.tracing = build_tracing(config.tracing, exporter=span_exporter)
-        self._idempotency_store: IdempotencyStore = MemoryIdempotencyStore(
+        self._idempotency_store: AnswerStore = MemoryAnswerStore(
             config.idempotency.memory_max_bytes
         )
-        self._response_cache_store: IdempotencyStore = MemoryIdempotencyStore(
+        self._response_cache_store: AnswerStore = MemoryAnswerStore(
             config.response_cache.memory_max_bytes
         )
         self._semantic_entries: EntryLog = MemoryEntryLog(config.semantic_cache.memory_max_bytes)
@@ -216,7 +216,7 @@ class KvgateServer:
             settings, lease_ttl_s=config.server.lease_ttl_s, on_lease_expired=self._lease_expired
         )
         # Idempotency keys live beside the ledgers, under the same hash tag.
-        self._idempotency_store = RedisIdempotencyStore(
+        self._idempotency_store = RedisAnswerStore(
             shared.client, shared.key_tag, timeout_s=redis_cfg.timeout_s
         )
         # Cache entries too (keys "cache|...", with their TTL): shared by every replica.

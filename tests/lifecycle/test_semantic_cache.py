@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.cache.idempotency import MemoryIdempotencyStore, StoredAnswer
+from kvgate.cache.answers import MemoryAnswerStore, StoredAnswer
 from kvgate.cache.semantic import MemoryEntryLog
 from kvgate.cache.semantic_guard import GuardLevel
 from kvgate.config.model import SemanticCacheConfig
@@ -141,7 +141,7 @@ def test_completions_use_a_string_prompt_only() -> None:
 @pytest.fixture
 async def cache() -> Any:
     built = build_semantic_cache(
-        SETTINGS, MemoryIdempotencyStore(1 << 20), MemoryEntryLog(max_bytes=1 << 20)
+        SETTINGS, MemoryAnswerStore(1 << 20), MemoryEntryLog(max_bytes=1 << 20)
     )
     yield built
     await built.close()

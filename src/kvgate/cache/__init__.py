@@ -1,12 +1,10 @@
-"""Answers served once (issue 12).
+"""Answers served once: where stored answers and the semantic index live.
 
-:mod:`kvgate.cache.idempotency` keeps one generation per (tenant, Idempotency-Key) and
-replays its answer (memory, or Redis shared by replicas).
-
-The semantic cache's foundations:
-:mod:`kvgate.cache.embeddings` turns question texts into L2-normalised vectors: offline
-with WordLlama's 256-dimensional weights (the ``semantic`` extra), or through an
-OpenAI-compatible ``POST /v1/embeddings`` endpoint (vLLM serving an embedding model). Nothing
-here is on the request path yet; numpy (and wordllama) are imported only by the modules that
-need them, so importing this package costs nothing.
+:mod:`kvgate.cache.answers` keeps answers under keys, each claimed by the one request that
+produces it (an Idempotency-Key, an exact-cache entry, a semantic-cache entry), in memory or
+in Redis shared by replicas. :mod:`kvgate.cache.embeddings` turns questions into
+L2-normalised vectors (WordLlama offline, or an OpenAI-compatible ``/v1/embeddings``);
+:mod:`kvgate.cache.semantic` indexes and searches them; :mod:`kvgate.cache.semantic_guard`
+is the lexical check next to the similarity. numpy (and wordllama) are imported only by the
+modules that need them, so importing this package costs nothing.
 """

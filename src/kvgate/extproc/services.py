@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
-from kvgate.cache.idempotency import IdempotencyStore, MemoryIdempotencyStore
+from kvgate.cache.answers import AnswerStore, MemoryAnswerStore
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
 from kvgate.config.snapshot import RuntimeSnapshot
@@ -54,17 +54,17 @@ class GatewayServices:
         leases: LeaseKeeper,
         settler: Settler,
         scheduler: PoolScheduler | None = None,
-        idempotency: IdempotencyStore | None = None,
-        response_cache: IdempotencyStore | None = None,
+        idempotency: AnswerStore | None = None,
+        response_cache: AnswerStore | None = None,
         semantic_cache: SemanticCache | None = None,
     ) -> None:
         self.scheduler = scheduler
         # Idempotency-Key answers (memory, or Redis shared by replicas).
-        self.idempotency: IdempotencyStore = idempotency or MemoryIdempotencyStore(
+        self.idempotency: AnswerStore = idempotency or MemoryAnswerStore(
             snapshots.current.config.idempotency.memory_max_bytes
         )
         # Exact-match answers (the same store kinds, their own keys and bound).
-        self.response_cache: IdempotencyStore = response_cache or MemoryIdempotencyStore(
+        self.response_cache: AnswerStore = response_cache or MemoryAnswerStore(
             snapshots.current.config.response_cache.memory_max_bytes
         )
         # Similar questions' answers (None: the semantic cache is off).

@@ -28,7 +28,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from redis.exceptions import RedisError
 
-from kvgate.cache.idempotency import StoredAnswer
+from kvgate.cache.answers import StoredAnswer
 from kvgate.config import hash_api_key
 from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages

@@ -3,7 +3,7 @@
 Protocol-free: the adapter asks `claim_key` before admission and gets either an
 `AnswerRecorder` (this request runs; it records the answer as it passes and stores it at
 the end) or a `KeyOutcome` to answer with (the stored answer, or why not). The store
-(`kvgate.cache.idempotency`) decides atomically, across replicas when it is Redis.
+(`kvgate.cache.answers`) decides atomically, across replicas when it is Redis.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.cache.idempotency import ClaimState, IdempotencyStore, StoredAnswer
+from kvgate.cache.answers import AnswerStore, ClaimState, StoredAnswer
 from kvgate.config.model import IdempotencyConfig
 from kvgate.policy import ActualUsage, SettleCause
 
@@ -61,7 +61,7 @@ class AnswerRecorder:
 
     def __init__(
         self,
-        store: IdempotencyStore,
+        store: AnswerStore,
         key: str,
         owner: str,
         *,
@@ -140,7 +140,7 @@ class AnswerRecorder:
 
 
 async def claim_key(
-    store: IdempotencyStore,
+    store: AnswerStore,
     settings: IdempotencyConfig,
     *,
     tenant: str,

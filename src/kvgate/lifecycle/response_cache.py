@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.cache.idempotency import ClaimState, IdempotencyStore, StoredAnswer
+from kvgate.cache.answers import AnswerStore, ClaimState, StoredAnswer
 from kvgate.config.model import ResponseCacheConfig, TenantConfig
 from kvgate.config.snapshot import ModelRoute
 from kvgate.lifecycle.idempotency import AnswerRecorder
@@ -86,7 +86,7 @@ def cache_key(request: ParsedRequest, tenant: str, settings: ResponseCacheConfig
 
 
 async def lookup(
-    store: IdempotencyStore,
+    store: AnswerStore,
     settings: ResponseCacheConfig,
     *,
     request: ParsedRequest,

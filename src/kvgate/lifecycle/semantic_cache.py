@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 from redis.exceptions import RedisError
 
+from kvgate.cache.answers import AnswerStore, ClaimState, StoredAnswer
 from kvgate.cache.embeddings import (
     Embedder,
     EmbeddingError,
     OpenAIEmbeddingsClient,
     WordLlamaEmbedder,
 )
-from kvgate.cache.idempotency import ClaimState, IdempotencyStore, StoredAnswer
 from kvgate.cache.semantic import Candidate, EntryLog, SemanticEntry, SemanticIndex
 from kvgate.cache.semantic_guard import GuardLevel, guard_allows
 from kvgate.config.model import ConfigError, ModelConfig, SemanticCacheConfig, TenantConfig
@@ -85,7 +85,7 @@ class SemanticLookup:
 class SemanticCache:
     """What a lookup needs at run time: the embedder, the index and the answers' store."""
 
-    def __init__(self, embedder: Embedder, index: SemanticIndex, answers: IdempotencyStore) -> None:
+    def __init__(self, embedder: Embedder, index: SemanticIndex, answers: AnswerStore) -> None:
         self.embedder = embedder
         self.index = index
         self.answers = answers
@@ -278,7 +278,7 @@ async def _stored_answer(
 
 
 def build_semantic_cache(
-    settings: SemanticCacheConfig, answers: IdempotencyStore, entries: EntryLog
+    settings: SemanticCacheConfig, answers: AnswerStore, entries: EntryLog
 ) -> SemanticCache:
     """The embedder the config names (loaded now: WordLlama reads its weights once), over
     the given answer store and entry log."""

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from kvgate.cache.idempotency import (
+from kvgate.cache.answers import (
+    AnswerStore,
     ClaimState,
-    IdempotencyStore,
-    MemoryIdempotencyStore,
-    RedisIdempotencyStore,
+    MemoryAnswerStore,
+    RedisAnswerStore,
     StoredAnswer,
 )
 
@@ -21,13 +21,13 @@ ANSWER = StoredAnswer(200, "text/event-stream", b'data: {"x": 1}\n\ndata: [DONE]
 
 
 @pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[IdempotencyStore]:
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[AnswerStore]:
     if request.param == "memory":
-        yield MemoryIdempotencyStore(max_bytes=1 << 20)
+        yield MemoryAnswerStore(max_bytes=1 << 20)
         return
     client = aioredis.Redis(host="127.0.0.1", port=6379)
     tag = "{idem-test-" + uuid.uuid4().hex[:8] + "}"
-    yield RedisIdempotencyStore(client, tag, timeout_s=2)
+    yield RedisAnswerStore(client, tag, timeout_s=2)
     keys = [key async for key in client.scan_iter(match=f"{tag}*")]
     if keys:
         await client.delete(*keys)
@@ -35,7 +35,7 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[IdempotencyStor
 
 
 async def test_the_first_claim_runs_and_a_duplicate_sees_it_in_flight(
-    store: IdempotencyStore,
+    store: AnswerStore,
 ) -> None:
     first = await store.claim("k", "fp1", "a", 10)
     assert first.state is ClaimState.STARTED
@@ -45,7 +45,7 @@ async def test_the_first_claim_runs_and_a_duplicate_sees_it_in_flight(
     assert other_body.state is ClaimState.IN_FLIGHT and other_body.fingerprint == "fp1"
 
 
-async def test_a_completed_key_replays_its_answer_byte_for_byte(store: IdempotencyStore) -> None:
+async def test_a_completed_key_replays_its_answer_byte_for_byte(store: AnswerStore) -> None:
     await store.claim("k", "fp1", "a", 10)
     assert await store.complete("k", "a", ANSWER, 60)
     again = await store.claim("k", "fp1", "b", 10)
@@ -56,7 +56,7 @@ async def test_a_completed_key_replays_its_answer_byte_for_byte(store: Idempoten
     assert (await store.claim("k", "fp1", "c", 10)).answer == ANSWER
 
 
-async def test_a_released_key_runs_anew(store: IdempotencyStore) -> None:
+async def test_a_released_key_runs_anew(store: AnswerStore) -> None:
     await store.claim("k", "fp1", "a", 10)
     await store.release("k", "b")  # not the owner: nothing happens
     assert (await store.claim("k", "fp1", "c", 10)).state is ClaimState.IN_FLIGHT
@@ -66,26 +66,26 @@ async def test_a_released_key_runs_anew(store: IdempotencyStore) -> None:
     assert not await store.complete("k", "a", ANSWER, 60)  # the old owner lost it
 
 
-async def test_a_lock_whose_owner_vanished_expires(store: IdempotencyStore) -> None:
+async def test_a_lock_whose_owner_vanished_expires(store: AnswerStore) -> None:
     await store.claim("k", "fp1", "a", 0.2)
     await asyncio.sleep(0.3)
     assert (await store.claim("k", "fp1", "b", 10)).state is ClaimState.STARTED
 
 
-async def test_an_answer_expires_after_its_retention(store: IdempotencyStore) -> None:
+async def test_an_answer_expires_after_its_retention(store: AnswerStore) -> None:
     await store.claim("k", "fp1", "a", 10)
     await store.complete("k", "a", ANSWER, 0.2)
     await asyncio.sleep(0.3)
     assert (await store.claim("k", "fp1", "b", 10)).state is ClaimState.STARTED
 
 
-async def test_concurrent_claims_start_exactly_one(store: IdempotencyStore) -> None:
+async def test_concurrent_claims_start_exactly_one(store: AnswerStore) -> None:
     claims = await asyncio.gather(*(store.claim("k", "fp", f"o{i}", 10) for i in range(20)))
     assert sum(c.state is ClaimState.STARTED for c in claims) == 1
 
 
 async def test_the_memory_store_is_bounded_in_bytes() -> None:
-    store = MemoryIdempotencyStore(max_bytes=10_000)
+    store = MemoryAnswerStore(max_bytes=10_000)
     for i in range(50):
         await store.claim(f"k{i}", "fp", "a", 10)
         await store.complete(f"k{i}", "a", StoredAnswer(200, "t", b"x" * 1000), 60)

@@ -1,11 +1,12 @@
-"""Idempotency keys: one generation per (tenant, Idempotency-Key), its answer replayed.
+"""Stored answers, each produced once: the store behind Idempotency-Key and both caches.
 
-A client that times out and resends, or retries in a loop, must not make the GPU generate
-the same answer again, nor pay for it again. The first request with a key runs; a duplicate
-that arrives while it runs waits for it and gets the same answer; a duplicate after it
-completed gets the stored answer (within the retention window); the same key with another
-body is refused; a first attempt that failed or was cut lets the next one run anew
-(draft-ietf-httpapi-idempotency-key-header).
+Built for idempotency keys: a client that times out and resends, or retries in a loop,
+must not make the GPU generate the same answer again, nor pay for it again. The first
+request with a key runs; a duplicate that arrives while it runs waits for it and gets the
+same answer; a duplicate after it completed gets the stored answer (within the retention
+window); the same key with another body is refused; a first attempt that failed or was cut
+lets the next one run anew (draft-ietf-httpapi-idempotency-key-header). The exact-match and
+semantic caches keep their answers here too, under their own keys.
 
 The store keeps, per key: the request's fingerprint, who is running it (a lock with a TTL),
 and once complete the answer. `claim` decides atomically, so two replicas sharing Redis
@@ -79,7 +80,7 @@ class Claim:
     answer: StoredAnswer | None = None
 
 
-class IdempotencyStore(Protocol):
+class AnswerStore(Protocol):
     async def claim(self, key: str, fingerprint: str, owner: str, lock_ttl_s: float) -> Claim:
         """Atomically: the stored answer if the key completed; who runs it if another owner's
         lock is alive; else lock it for `owner` (STARTED)."""
@@ -98,7 +99,7 @@ class IdempotencyStore(Protocol):
     async def close(self) -> None: ...
 
 
-class MemoryIdempotencyStore:
+class MemoryAnswerStore:
     """One process's keys, bounded in bytes (least recently used dropped first)."""
 
     def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -197,7 +198,7 @@ return 0
 """
 
 
-class RedisIdempotencyStore:
+class RedisAnswerStore:
     """Keys shared by every kvgate replica, in the state store's Redis (its hash tag, so a
     Redis Cluster keeps them in the same slot as the rest of kvgate's keys)."""
 
