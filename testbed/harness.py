@@ -935,6 +935,24 @@ def tenant_totals(
     return totals
 
 
+def assert_free_cache_hit_booked(
+    stack: Stack, before: dict[str, int], answer: dict[str, Any], tenant: str = DEMO_TENANT
+) -> int:
+    """One free cache hit since `before` (tenant_totals): no request charged, the hit and
+    the tokens `answer` (the JSON the hit replayed) took booked in the ledger, which happens
+    just after the hit is answered: waited for. Returns those tokens."""
+    made = int(answer["usage"]["prompt_tokens"]) + int(answer["usage"]["completion_tokens"])
+    after = wait_until(
+        lambda: tenant_totals(stack, tenant),
+        lambda t: t["cache_hits"] > before["cache_hits"],
+        timeout=5,
+    )
+    assert after["requests"] == before["requests"], (before, after)
+    assert after["cache_hits"] == before["cache_hits"] + 1, (before, after)
+    assert after["cache_saved_tokens"] == before["cache_saved_tokens"] + made, (before, after)
+    return made
+
+
 def sim_stats(stack: Stack, backend: str | None = None) -> dict[str, Any]:
     """The simulator's `/sim/stats` (first backend's unless named)."""
     url = stack.sim_urls[backend] if backend else stack.sim_url

@@ -45,17 +45,11 @@ def index_over(log: EntryLog, **bounds: int) -> SemanticIndex:
 
 
 @pytest.fixture(params=["memory", "redis"])
-async def log(request: pytest.FixtureRequest) -> AsyncIterator[EntryLog]:
+def log(request: pytest.FixtureRequest) -> EntryLog:
     if request.param == "memory":
-        yield MemoryEntryLog(max_bytes=1 << 20)
-        return
-    client = aioredis.Redis(host="127.0.0.1", port=6379)
-    tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
-    yield RedisEntryLog(client, tag, timeout_s=2)
-    keys = [key async for key in client.scan_iter(match=f"{tag}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
+        return MemoryEntryLog(max_bytes=1 << 20)
+    client, tag = request.getfixturevalue("redis_tag")
+    return RedisEntryLog(client, tag, timeout_s=2)
 
 
 async def test_search_returns_entries_above_the_threshold_best_first(log: EntryLog) -> None:
@@ -135,46 +129,46 @@ async def test_the_mirror_is_bounded_in_bytes_over_all_contexts(log: EntryLog) -
     assert len(await index.search("c1", unit(1, 0), min_similarity=0.5)) == 2
 
 
-async def test_two_replicas_share_entries_through_redis() -> None:
+@pytest.fixture
+async def redis_tag() -> AsyncIterator[tuple[aioredis.Redis, str]]:
+    """A client and a key tag of its own on the CI machine's Redis, cleaned after."""
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
+    yield client, tag
+    keys = [key async for key in client.scan_iter(match=f"{tag}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_two_replicas_share_entries_through_redis(
+    redis_tag: tuple[aioredis.Redis, str],
+) -> None:
     """Redis 7 has no vector search: each replica mirrors the streams and searches itself."""
-    client = aioredis.Redis(host="127.0.0.1", port=6379)
-    tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
-    try:
-        first = index_over(RedisEntryLog(client, tag, timeout_s=2))
-        second = index_over(RedisEntryLog(client, tag, timeout_s=2))
-        assert await second.search("ctx", unit(1, 0), min_similarity=0.5) == []
-        await first.add("ctx", entry("from-first", unit(1, 0), question="Q one"), 60)
-        found = await second.search("ctx", unit(1, 0), min_similarity=0.5)
-        assert [(c.entry.answer_key, c.entry.question) for c in found] == [("from-first", "Q one")]
-        np.testing.assert_array_equal(found[0].entry.vector, unit(1, 0))
-        await second.add("ctx", entry("from-second", unit(1, 0.05)), 60)
-        found = await first.search("ctx", unit(1, 0), min_similarity=0.5)
-        assert [c.entry.answer_key for c in found] == ["from-first", "from-second"]
-        # The stream expires with the entries' TTL.
-        ttl = await client.pttl(f"{tag}:sem|ctx")
-        assert 0 < ttl <= 60_000
-    finally:
-        keys = [key async for key in client.scan_iter(match=f"{tag}*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
+    client, tag = redis_tag
+    first = index_over(RedisEntryLog(client, tag, timeout_s=2))
+    second = index_over(RedisEntryLog(client, tag, timeout_s=2))
+    assert await second.search("ctx", unit(1, 0), min_similarity=0.5) == []
+    await first.add("ctx", entry("from-first", unit(1, 0), question="Q one"), 60)
+    found = await second.search("ctx", unit(1, 0), min_similarity=0.5)
+    assert [(c.entry.answer_key, c.entry.question) for c in found] == [("from-first", "Q one")]
+    np.testing.assert_array_equal(found[0].entry.vector, unit(1, 0))
+    await second.add("ctx", entry("from-second", unit(1, 0.05)), 60)
+    found = await first.search("ctx", unit(1, 0), min_similarity=0.5)
+    assert [c.entry.answer_key for c in found] == ["from-first", "from-second"]
+    # The stream expires with the entries' TTL.
+    ttl = await client.pttl(f"{tag}:sem|ctx")
+    assert 0 < ttl <= 60_000
 
 
-async def test_a_malformed_stream_entry_is_skipped() -> None:
+async def test_a_malformed_stream_entry_is_skipped(redis_tag: tuple[aioredis.Redis, str]) -> None:
     """Another writer's garbage in the stream (or a half-upgraded replica) is ignored."""
-    client = aioredis.Redis(host="127.0.0.1", port=6379)
-    tag = "{sem-test-" + uuid.uuid4().hex[:8] + "}"
-    try:
-        index = index_over(RedisEntryLog(client, tag, timeout_s=2))
-        await client.xadd(f"{tag}:sem|ctx", {"a": "x", "v": "not base64!", "e": "soon"})
-        await index.add("ctx", entry("ok", unit(1, 0)), 60)
-        found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
-        assert [c.entry.answer_key for c in found] == ["ok"]
-    finally:
-        keys = [key async for key in client.scan_iter(match=f"{tag}*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
+    client, tag = redis_tag
+    index = index_over(RedisEntryLog(client, tag, timeout_s=2))
+    await client.xadd(f"{tag}:sem|ctx", {"a": "x", "v": "not base64!", "e": "soon"})
+    await index.add("ctx", entry("ok", unit(1, 0)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
+    assert [c.entry.answer_key for c in found] == ["ok"]
 
 
 async def test_the_memory_log_is_bounded_in_bytes_oldest_context_first() -> None:

@@ -17,6 +17,7 @@ from openai import OpenAI
 from testbed.harness import (
     DEFAULT_MODEL_NAME,
     Stack,
+    assert_free_cache_hit_booked,
     kvgate_metrics,
     tenant_totals,
     wait_until,
@@ -91,17 +92,8 @@ def test_a_repeated_deterministic_request_is_answered_without_the_backend(stack:
     assert hit.status_code == 200 and hit.content == first.content
     assert _arrived(stack) == arrived
     # hit_charge: free -> no request is charged; the ledger records the hit and the tokens
-    # it saved (booked just after the answer: waited for).
-    usage = first.json()["usage"]
-    made = usage["prompt_tokens"] + usage["completion_tokens"]
-    after = wait_until(
-        lambda: tenant_totals(stack),
-        lambda t: t["cache_hits"] > before["cache_hits"],
-        timeout=5,
-    )
-    assert after["requests"] == before["requests"]
-    assert after["cache_hits"] == before["cache_hits"] + 1
-    assert after["cache_saved_tokens"] == before["cache_saved_tokens"] + made
+    # it saved.
+    made = assert_free_cache_hit_booked(stack, before, first.json())
     saved = kvgate_metrics(stack).total("kvgate_response_cache_saved_tokens_total", tenant="demo")
     assert saved >= made
 

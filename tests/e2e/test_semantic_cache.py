@@ -19,6 +19,7 @@ from openai import OpenAI
 from testbed.harness import (
     DEFAULT_MODEL_NAME,
     Stack,
+    assert_free_cache_hit_booked,
     default_models,
     kvgate_metrics,
     tenant_totals,
@@ -118,16 +119,7 @@ def test_a_similar_question_is_answered_without_the_backend(stack: Stack) -> Non
     assert 0 < similarity < 1
     assert _arrived(stack) == arrived
     # hit_charge: free: no request booked; the ledger records the hit and what it saved.
-    usage = first.json()["usage"]
-    made = usage["prompt_tokens"] + usage["completion_tokens"]
-    after = wait_until(
-        lambda: tenant_totals(stack),
-        lambda t: t["cache_hits"] > before["cache_hits"],
-        timeout=5,
-    )
-    assert after["requests"] == before["requests"]
-    assert after["cache_hits"] == before["cache_hits"] + 1
-    assert after["cache_saved_tokens"] == before["cache_saved_tokens"] + made
+    made = assert_free_cache_hit_booked(stack, before, first.json())
     metrics = kvgate_metrics(stack)
     assert metrics.total("kvgate_semantic_cache_total", result="semantic-hit") >= 1
     saved = metrics.total("kvgate_semantic_cache_saved_tokens_total", tenant="demo")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client import Counter
 from redis.exceptions import RedisError
 
 from kvgate.cache.answers import StoredAnswer
@@ -682,14 +683,12 @@ class StreamSession:
             self._recorders.append(found.recorder)
         if found.answer is None:
             return None
-        metrics.response_cache_saved_tokens.labels(self.tenant, request.model).inc(
-            found.answer.prompt_tokens + found.answer.output_tokens
-        )
         return await self._answer_from_cache(
             request,
             owner,
             found.answer,
             hit_charge=settings.hit_charge,
+            saved_tokens=metrics.response_cache_saved_tokens,
             headers={CACHE_HEADER: CacheResult.HIT.value},
             reason="response_cache_hit",
         )
@@ -731,14 +730,12 @@ class StreamSession:
         if found.answer is None:
             return None
         metrics.semantic_cache_similarity.observe(found.similarity)
-        metrics.semantic_cache_saved_tokens.labels(self.tenant, request.model).inc(
-            found.answer.prompt_tokens + found.answer.output_tokens
-        )
         return await self._answer_from_cache(
             request,
             owner,
             found.answer,
             hit_charge=settings.hit_charge,
+            saved_tokens=metrics.semantic_cache_saved_tokens,
             headers={
                 CACHE_HEADER: SemanticResult.HIT.value,
                 SIMILARITY_HEADER: f"{found.similarity:.4f}",
@@ -753,19 +750,21 @@ class StreamSession:
         answer: StoredAnswer,
         *,
         hit_charge: str,
+        saved_tokens: Counter,
         headers: dict[str, str],
         reason: str,
     ) -> pb.ProcessingResponse:
-        """Answer with a stored answer: charged as configured, nothing forwarded."""
-        assert self._tenant_policy is not None
+        """Answer with a stored answer: charged as configured, booked in the ledger and
+        counted in `saved_tokens` (the cache's own counter), nothing forwarded."""
+        assert self._tenant_policy is not None and self.tenant is not None
         route = self._snapshot.models.get(request.model)
         if hit_charge == "full" and route is not None:
             decision = await charge_hit(self._svc.store, self._tenant_policy, route, answer, owner)
             if not decision.admitted:
                 raise Rejected(rejection_of(decision))
-        self._svc.track(
-            self._book_cache_hit(request.model, answer.prompt_tokens + answer.output_tokens)
-        )
+        saved = answer.prompt_tokens + answer.output_tokens
+        saved_tokens.labels(self.tenant, request.model).inc(saved)
+        self._svc.track(self._book_cache_hit(request.model, saved))
         # A hit completes this request's Idempotency-Key too: its duplicates replay it. A
         # cache entry this request would have made is given up: a semantic hit's answer is
         # not the exact answer to this request.

@@ -67,13 +67,17 @@ def cacheable(
         if tenant is None or tenant.response_cache_sampled is None
         else tenant.response_cache_sampled
     )
-    temperature = request.body.get("temperature")
-    deterministic = (
+    return sampled or deterministic(request.body)
+
+
+def deterministic(body: dict[str, Any]) -> bool:
+    """Greedy decoding (`temperature: 0`): the same request gives the same answer."""
+    temperature = body.get("temperature")
+    return (
         isinstance(temperature, int | float)
         and not isinstance(temperature, bool)
         and temperature == 0
     )
-    return deterministic or sampled
 
 
 def cache_key(request: ParsedRequest, tenant: str, settings: ResponseCacheConfig) -> str:

@@ -39,6 +39,7 @@ from kvgate.cache.semantic import Candidate, EntryLog, SemanticEntry, SemanticIn
 from kvgate.cache.semantic_guard import GuardLevel, guard_allows
 from kvgate.config.model import ConfigError, ModelConfig, SemanticCacheConfig, TenantConfig
 from kvgate.lifecycle.idempotency import AnswerRecorder
+from kvgate.lifecycle.response_cache import deterministic
 from kvgate.openai import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def semantic_query(
 ) -> SemanticQuery | None:
     """The context and the question, or None when reuse would not be safe by construction."""
     body = request.body
-    if not settings.sampled and not _deterministic(body.get("temperature")):
+    if not settings.sampled and not deterministic(body):
         return None
     if any(body.get(name) for name in _PROMPT_ECHO_FIELDS):
         return None
@@ -156,14 +157,6 @@ def semantic_query(
     digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00".encode())
     digest.update(canonical.encode())
     return SemanticQuery(context=digest.hexdigest(), question=question)
-
-
-def _deterministic(temperature: object) -> bool:
-    return (
-        isinstance(temperature, int | float)
-        and not isinstance(temperature, bool)
-        and temperature == 0
-    )
 
 
 def _uses_tools(message: object) -> bool:
