@@ -261,6 +261,9 @@ class ModelConfig(_Strict):
     counting_engine: Literal["auto", "reference"] = "auto"
     # The semantic cache may answer this model's requests (for tenants that opt in too).
     semantic_cache: bool = False
+    # Whether the exact-match cache may serve this model's sampled (temperature > 0)
+    # requests; None follows response_cache.sampled. A tenant's own setting comes first.
+    response_cache_sampled: bool | None = None
 
     @field_validator("name")
     @classmethod

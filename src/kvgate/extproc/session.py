@@ -661,7 +661,12 @@ class StreamSession:
         config = self._snapshot.config
         settings = config.response_cache
         metrics = self._svc.metrics
-        if not cacheable(request, settings, self._snapshot.tenant_configs.get(self.tenant)):
+        if not cacheable(
+            request,
+            settings,
+            self._snapshot.tenant_configs.get(self.tenant),
+            self._snapshot.model_configs.get(request.model),
+        ):
             metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
             return None
         try:

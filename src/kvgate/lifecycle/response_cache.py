@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.cache.answers import AnswerStore, ClaimState, StoredAnswer
-from kvgate.config.model import ResponseCacheConfig, TenantConfig
+from kvgate.config.model import ModelConfig, ResponseCacheConfig, TenantConfig
 from kvgate.config.snapshot import ModelRoute
 from kvgate.lifecycle.idempotency import AnswerRecorder
 from kvgate.openai import ParsedRequest
@@ -52,9 +52,13 @@ BYPASS = CacheLookup(CacheResult.BYPASS)
 
 
 def cacheable(
-    request: ParsedRequest, settings: ResponseCacheConfig, tenant: TenantConfig | None
+    request: ParsedRequest,
+    settings: ResponseCacheConfig,
+    tenant: TenantConfig | None,
+    model: ModelConfig | None = None,
 ) -> bool:
-    """Whether the tenant uses the cache and the request is one it may serve."""
+    """Whether the tenant uses the cache and the request is one it may serve. Whether a
+    sampled request may be: the tenant's setting, else the model's, else the cache's."""
     enabled = (
         settings.enabled
         if tenant is None or tenant.response_cache is None
@@ -62,11 +66,12 @@ def cacheable(
     )
     if not enabled:
         return False
-    sampled = (
-        settings.sampled
-        if tenant is None or tenant.response_cache_sampled is None
-        else tenant.response_cache_sampled
-    )
+    if tenant is not None and tenant.response_cache_sampled is not None:
+        sampled = tenant.response_cache_sampled
+    elif model is not None and model.response_cache_sampled is not None:
+        sampled = model.response_cache_sampled
+    else:
+        sampled = settings.sampled
     return sampled or deterministic(request.body)
 
 
