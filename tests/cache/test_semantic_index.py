@@ -181,3 +181,17 @@ async def test_the_memory_log_is_bounded_in_bytes_oldest_context_first() -> None
     assert log.size_bytes <= 10 * one
     assert (await log.read_since("ctx-0", None))[1] == []
     assert len((await log.read_since("ctx-49", None))[1]) == 1
+
+
+async def test_search_returns_at_most_limit_best_first(log: EntryLog) -> None:
+    """A bucket full of near questions: only the best `limit` come back, in order."""
+    index = index_over(log, per_context=64)
+    for i in range(40):
+        await index.add("ctx", entry(f"e{i}", unit(1, i / 100)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.5, limit=4)
+    assert [c.entry.answer_key for c in found] == ["e0", "e1", "e2", "e3"]
+    assert [c.similarity for c in found] == sorted((c.similarity for c in found), reverse=True)
+    # Equal vectors: the older entry first.
+    await index.add("ctx", entry("twin", unit(1, 0)), 60)
+    found = await index.search("ctx", unit(1, 0), min_similarity=0.5, limit=2)
+    assert [c.entry.answer_key for c in found] == ["e0", "twin"]

@@ -228,24 +228,28 @@ class SemanticIndex:
         return self._mirrored_bytes
 
     async def search(
-        self, context: str, vector: Vector, *, min_similarity: float
+        self, context: str, vector: Vector, *, min_similarity: float, limit: int = 4
     ) -> list[Candidate]:
-        """The context's live entries with similarity >= `min_similarity`, best first."""
+        """The context's `limit` most similar live entries with similarity >=
+        `min_similarity`, best first (ties: the older entry first)."""
         bucket = await self._sync(context)
-        if not bucket.entries:
+        if not bucket.entries or limit < 1:
             return []
         if bucket.matrix is None:
             bucket.matrix = np.stack([entry.vector for entry in bucket.entries])
         similarities = bucket.matrix @ vector.astype(np.float32, copy=False)
+        # Only the best `limit` are sorted: a bucket full of near questions costs no more.
+        if len(similarities) > limit:
+            best = np.argpartition(-similarities, limit - 1)[:limit]
+        else:
+            best = np.arange(len(similarities))
+        best = best[np.lexsort((best, -similarities[best]))]
         now = self._clock()
-        order = np.argsort(-similarities, kind="stable")
         found: list[Candidate] = []
-        for index in order:
+        for index in best:
             similarity = float(similarities[index])
-            if similarity < min_similarity:
-                break
             entry = bucket.entries[int(index)]
-            if entry.expires_at > now:
+            if similarity >= min_similarity and entry.expires_at > now:
                 found.append(Candidate(similarity, entry))
         return found
 

@@ -208,9 +208,11 @@ async def lookup(
     threshold = threshold_of(settings)
     level = GuardLevel(settings.guard)
     try:
-        candidates = await cache.index.search(query.context, vector, min_similarity=threshold)
+        candidates = await cache.index.search(
+            query.context, vector, min_similarity=threshold, limit=MAX_CANDIDATES
+        )
         refused = 0
-        for candidate in candidates[:MAX_CANDIDATES]:
+        for candidate in candidates:
             if not guard_allows(candidate.entry.question, query.question, level):
                 refused += 1
                 continue
