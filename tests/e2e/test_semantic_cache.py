@@ -275,3 +275,19 @@ def test_two_replicas_share_entries_through_redis() -> None:
         # Envoy spreads the eight over both replicas: each answered some from the cache.
         for text in per_replica:
             assert 'kvgate_semantic_cache_total{result="semantic-hit"}' in text
+
+
+def test_a_charged_semantic_hit_is_booked_like_the_request_it_replays() -> None:
+    """hit_charge: full: the hit takes the stored answer's tokens from the tenant's limits and
+    is booked in the ledger as a request, besides counting as a hit."""
+    with _stack(hit_charge="full") as stack:
+        context = uuid.uuid4().hex
+        first = _answered(stack, _body(QUESTION, context))
+        usage = first.json()["usage"]
+        before = wait_until(lambda: tenant_totals(stack), lambda t: t["requests"] == 1, timeout=5)
+        hit = _hit(stack, _body(PARAPHRASE, context))
+        assert hit.content == first.content
+        after = wait_until(lambda: tenant_totals(stack), lambda t: t["cache_hits"] == 1, timeout=5)
+        assert after["requests"] == before["requests"] + 1
+        assert after["prompt_tokens"] == before["prompt_tokens"] + usage["prompt_tokens"]
+        assert after["output_tokens"] == before["output_tokens"] + usage["completion_tokens"]
