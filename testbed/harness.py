@@ -918,16 +918,13 @@ def kvgate_usage(stack: Stack) -> dict[str, Any]:
 
 
 def tenant_totals(
-    stack: Stack, tenant: str = DEMO_TENANT, period: str = "this_month"
+    stack: Stack, tenant: str = DEMO_TENANT, period: str = "this_month", *, cache: bool = False
 ) -> dict[str, int]:
-    """A tenant's ledger totals for `period` ("today" / "this_month"); zeros when none yet."""
-    totals = {
-        "requests": 0,
-        "prompt_tokens": 0,
-        "output_tokens": 0,
-        "cache_hits": 0,
-        "cache_saved_tokens": 0,
-    }
+    """A tenant's ledger totals for `period` ("today" / "this_month"); zeros when none yet.
+    With `cache`, the cache hits and the tokens they saved too."""
+    totals = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0}
+    if cache:
+        totals |= {"cache_hits": 0, "cache_saved_tokens": 0}
     for entry in kvgate_usage(stack).get("tenants", []):
         if entry.get("tenant") == tenant:
             for key in totals:
@@ -938,12 +935,12 @@ def tenant_totals(
 def assert_free_cache_hit_booked(
     stack: Stack, before: dict[str, int], answer: dict[str, Any], tenant: str = DEMO_TENANT
 ) -> int:
-    """One free cache hit since `before` (tenant_totals): no request charged, the hit and
+    """One free cache hit since `before` (tenant_totals with cache): no request charged, the hit and
     the tokens `answer` (the JSON the hit replayed) took booked in the ledger, which happens
     just after the hit is answered: waited for. Returns those tokens."""
     made = int(answer["usage"]["prompt_tokens"]) + int(answer["usage"]["completion_tokens"])
     after = wait_until(
-        lambda: tenant_totals(stack, tenant),
+        lambda: tenant_totals(stack, tenant, cache=True),
         lambda t: t["cache_hits"] > before["cache_hits"],
         timeout=5,
     )

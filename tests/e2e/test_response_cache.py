@@ -82,7 +82,7 @@ def _stored(stack: Stack, body: dict[str, Any], key: str = "sk-kvgate-demo") -> 
 def test_a_repeated_deterministic_request_is_answered_without_the_backend(stack: Stack) -> None:
     body = _body(f"What is the capital of France? {uuid.uuid4()}")
     first = _stored(stack, body)
-    arrived, before = _arrived(stack), tenant_totals(stack)
+    arrived, before = _arrived(stack), tenant_totals(stack, cache=True)
     hit = wait_until(
         lambda: _post(stack, body),
         lambda r: r.headers.get("x-kvgate-cache") == "hit",

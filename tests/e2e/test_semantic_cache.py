@@ -112,7 +112,7 @@ def _hit(stack: Stack, body: dict[str, Any], key: str = DEMO_KEY) -> httpx.Respo
 def test_a_similar_question_is_answered_without_the_backend(stack: Stack) -> None:
     context = uuid.uuid4().hex
     first = _answered(stack, _body(QUESTION, context))
-    arrived, before = _arrived(stack), tenant_totals(stack)
+    arrived, before = _arrived(stack), tenant_totals(stack, cache=True)
     hit = _hit(stack, _body(PARAPHRASE, context))
     assert hit.status_code == 200 and hit.content == first.content
     similarity = float(hit.headers["x-kvgate-cache-similarity"])
@@ -284,10 +284,14 @@ def test_a_charged_semantic_hit_is_booked_like_the_request_it_replays() -> None:
         context = uuid.uuid4().hex
         first = _answered(stack, _body(QUESTION, context))
         usage = first.json()["usage"]
-        before = wait_until(lambda: tenant_totals(stack), lambda t: t["requests"] == 1, timeout=5)
+        before = wait_until(
+            lambda: tenant_totals(stack, cache=True), lambda t: t["requests"] == 1, timeout=5
+        )
         hit = _hit(stack, _body(PARAPHRASE, context))
         assert hit.content == first.content
-        after = wait_until(lambda: tenant_totals(stack), lambda t: t["cache_hits"] == 1, timeout=5)
+        after = wait_until(
+            lambda: tenant_totals(stack, cache=True), lambda t: t["cache_hits"] == 1, timeout=5
+        )
         assert after["requests"] == before["requests"] + 1
         assert after["prompt_tokens"] == before["prompt_tokens"] + usage["prompt_tokens"]
         assert after["output_tokens"] == before["output_tokens"] + usage["completion_tokens"]
