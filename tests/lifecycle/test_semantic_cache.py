@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
-from kvgate.cache.answers import MemoryAnswerStore, StoredAnswer
-from kvgate.cache.semantic import MemoryEntryLog
+from kvgate.cache.answers import MemoryAnswerStore, RedisAnswerStore, StoredAnswer
+from kvgate.cache.semantic import MemoryEntryLog, RedisEntryLog
 from kvgate.cache.semantic_guard import GuardLevel
 from kvgate.config.model import SemanticCacheConfig
 from kvgate.lifecycle.semantic_cache import (
@@ -215,3 +216,23 @@ async def test_an_entry_whose_answer_is_gone_is_a_miss_and_forgotten(cache: Sema
     found = await lookup(cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track)
     assert found.result is SemanticResult.MISS
     assert cache.index.mirrored_entries == 0
+
+
+async def test_a_store_that_is_down_means_the_request_runs_uncached() -> None:
+    """Redis unreachable: the lookup says UNAVAILABLE (the request runs as usual), it never
+    raises into the request."""
+    client = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    cache = build_semantic_cache(
+        SETTINGS,
+        RedisAnswerStore(client, "{down}", timeout_s=0.5),
+        RedisEntryLog(client, "{down}", timeout_s=0.5),
+    )
+    try:
+        query = semantic_query(chat("What is the capital of France?"), "t", SETTINGS)
+        assert query is not None
+        tasks = Tasks()
+        found = await lookup(cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track)
+        assert found.result is SemanticResult.UNAVAILABLE and found.recorder is None
+    finally:
+        await cache.close()
+        await client.aclose()
