@@ -203,6 +203,7 @@ FIELD_CLASSES: dict[str, str] = {
     "tenants.*.semantic_cache": RELOAD,
     "models.*.semantic_cache": RELOAD,
     "models.*.response_cache_sampled": RELOAD,
+    "models.*.cache_generation": RELOAD,
     "tenants.*.response_cache": RELOAD,
     "tenants.*.response_cache_sampled": RELOAD,
     "tenants.*.allowed_priorities": RELOAD,

@@ -8,12 +8,15 @@ simulator's own request record.
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 from openai import OpenAI
 
 from testbed.harness import (
@@ -295,3 +298,40 @@ def test_a_charged_semantic_hit_is_booked_like_the_request_it_replays() -> None:
         assert after["requests"] == before["requests"] + 1
         assert after["prompt_tokens"] == before["prompt_tokens"] + usage["prompt_tokens"]
         assert after["output_tokens"] == before["output_tokens"] + usage["completion_tokens"]
+
+
+def test_a_new_cache_generation_puts_every_cached_answer_out_of_reach() -> None:
+    """New weights behind the same model name: the operator changes the model's
+    `cache_generation` and reloads; no answer cached before is served again, exact or
+    semantic."""
+    stack = _stack()
+    stack.kvgate_overrides["response_cache"] = {"enabled": True}
+    with stack:
+        context = uuid.uuid4().hex
+        _answered(stack, _body(QUESTION, context))
+        exact = wait_until(
+            lambda: _post(stack, _body(QUESTION, context)),
+            lambda r: r.headers.get("x-kvgate-cache") == "hit",
+            timeout=5,
+            interval=0.1,
+        )
+        assert exact.headers["x-kvgate-cache"] == "hit"
+        _hit(stack, _body(PARAPHRASE, context))
+
+        config = yaml.safe_load(stack.kvgate_config_path.read_text())
+        config["models"][0]["cache_generation"] = "weights-2"
+        stack.kvgate_config_path.write_text(yaml.safe_dump(config))
+        assert stack.kvgate is not None and stack.kvgate.pid is not None
+        os.kill(stack.kvgate.pid, signal.SIGHUP)
+        wait_until(
+            lambda: kvgate_metrics(stack).total("kvgate_config_reloads_total", result="success"),
+            lambda n: n >= 1,
+            timeout=10,
+        )
+        # The very request both caches answered before (an exact hit, and a semantic one at
+        # similarity 1.0) now runs: neither reaches the old entries.
+        arrived = _arrived(stack)
+        again = _post(stack, _body(QUESTION, context))
+        assert again.headers["x-kvgate-cache"] == "miss"
+        assert again.content != exact.content
+        assert _arrived(stack) == arrived + 1

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvgate.config.model import ModelConfig, ResponseCacheConfig, TenantConfig
-from kvgate.lifecycle.response_cache import cacheable, deterministic
+from kvgate.lifecycle.response_cache import cache_key, cacheable, deterministic
 from kvgate.openai import CHAT_PATH, ParsedRequest, parse_request
 
 ON = ResponseCacheConfig(enabled=True)
@@ -61,3 +61,9 @@ def test_a_tenant_may_opt_in_or_out_of_the_cache() -> None:
     assert not cacheable(greedy, ON, tenant(response_cache=False), model())
     off = ResponseCacheConfig(enabled=False)
     assert cacheable(greedy, off, tenant(response_cache=True), model())
+
+
+def test_a_new_cache_generation_is_a_new_key() -> None:
+    request = chat(temperature=0)
+    assert cache_key(request, "t", ON) == cache_key(request, "t", ON, "")
+    assert cache_key(request, "t", ON, "weights-1") != cache_key(request, "t", ON, "weights-2")

@@ -236,3 +236,10 @@ async def test_a_store_that_is_down_means_the_request_runs_uncached() -> None:
     finally:
         await cache.close()
         await client.aclose()
+
+
+def test_a_new_cache_generation_is_a_new_context() -> None:
+    request = chat("What is the capital of France?")
+    first = semantic_query(request, "t", SETTINGS, "weights-1")
+    second = semantic_query(request, "t", SETTINGS, "weights-2")
+    assert first is not None and second is not None and first.context != second.context

@@ -264,6 +264,10 @@ class ModelConfig(_Strict):
     # Whether the exact-match cache may serve this model's sampled (temperature > 0)
     # requests; None follows response_cache.sampled. A tenant's own setting comes first.
     response_cache_sampled: bool | None = None
+    # Part of every cache key and semantic context of this model: change it (e.g. to the
+    # weights' revision) when other weights are served under the same name, and every
+    # answer cached before is out of reach at once, on every replica (entries then expire).
+    cache_generation: str = Field(default="", max_length=128)
 
     @field_validator("name")
     @classmethod

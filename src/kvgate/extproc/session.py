@@ -661,12 +661,8 @@ class StreamSession:
         config = self._snapshot.config
         settings = config.response_cache
         metrics = self._svc.metrics
-        if not cacheable(
-            request,
-            settings,
-            self._snapshot.tenant_configs.get(self.tenant),
-            self._snapshot.model_configs.get(request.model),
-        ):
+        model = self._snapshot.model_configs.get(request.model)
+        if not cacheable(request, settings, self._snapshot.tenant_configs.get(self.tenant), model):
             metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
             return None
         try:
@@ -678,6 +674,7 @@ class StreamSession:
                 owner=owner,
                 lock_ttl_s=config.server.lease_ttl_s,
                 track=self._svc.track,
+                generation=model.cache_generation if model is not None else "",
             )
         except (TimeoutError, RedisError, OSError) as exc:
             log.warning("response cache unavailable; the request runs uncached: %s", exc)
@@ -708,13 +705,13 @@ class StreamSession:
         config = self._snapshot.config
         settings = config.semantic_cache
         metrics = self._svc.metrics
+        model = self._snapshot.model_configs.get(request.model)
         if cache is None or not semantic_applies(
-            settings,
-            self._snapshot.tenant_configs.get(self.tenant),
-            self._snapshot.model_configs.get(request.model),
+            settings, self._snapshot.tenant_configs.get(self.tenant), model
         ):
             return None
-        query = semantic_query(request, self.tenant, settings)
+        assert model is not None  # the model opted in
+        query = semantic_query(request, self.tenant, settings, model.cache_generation)
         if query is None:
             metrics.semantic_cache.labels(SemanticResult.BYPASS.value).inc()
             return None

@@ -85,11 +85,15 @@ def deterministic(body: dict[str, Any]) -> bool:
     )
 
 
-def cache_key(request: ParsedRequest, tenant: str, settings: ResponseCacheConfig) -> str:
+def cache_key(
+    request: ParsedRequest, tenant: str, settings: ResponseCacheConfig, generation: str = ""
+) -> str:
+    """The entry's key. `generation` is the model's `cache_generation`: a new one (new
+    weights behind the same name) makes every earlier entry unreachable at once."""
     scope = f"tenant\x00{tenant}" if settings.scope == "tenant" else "model"
     canonical = json.dumps(request.body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     digest = hashlib.sha256()
-    digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00".encode())
+    digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00{generation}\x00".encode())
     digest.update(canonical.encode())
     return "cache|" + digest.hexdigest()
 
@@ -103,8 +107,9 @@ async def lookup(
     owner: str,
     lock_ttl_s: float,
     track: Callable[[Coroutine[Any, Any, None]], Any],
+    generation: str = "",
 ) -> CacheLookup:
-    key = cache_key(request, tenant, settings)
+    key = cache_key(request, tenant, settings, generation)
     claim = await store.claim(key, key, owner, lock_ttl_s)
     if claim.state is ClaimState.COMPLETED:
         return CacheLookup(CacheResult.HIT, answer=claim.answer)

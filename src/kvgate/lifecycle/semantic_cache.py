@@ -116,9 +116,10 @@ def applies(
 
 
 def semantic_query(
-    request: ParsedRequest, tenant: str, settings: SemanticCacheConfig
+    request: ParsedRequest, tenant: str, settings: SemanticCacheConfig, generation: str = ""
 ) -> SemanticQuery | None:
-    """The context and the question, or None when reuse would not be safe by construction."""
+    """The context and the question, or None when reuse would not be safe by construction.
+    `generation` is the model's `cache_generation` (a new one orphans every entry)."""
     body = request.body
     if not settings.sampled and not deterministic(body):
         return None
@@ -154,7 +155,7 @@ def semantic_query(
     scope = f"tenant\x00{tenant}" if settings.scope == "tenant" else "model"
     canonical = json.dumps(context_body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     digest = hashlib.sha256()
-    digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00".encode())
+    digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00{generation}\x00".encode())
     digest.update(canonical.encode())
     return SemanticQuery(context=digest.hexdigest(), question=question)
 
