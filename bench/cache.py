@@ -83,7 +83,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.interleaved import rotated, threads_cpu_seconds
+from bench.interleaved import read_answer, rotated, threads_cpu_seconds
 from bench.loadgen import _StreamClock
 from bench.prompts import prompt_text
 from bench.stack import MODEL, REPO_ROOT, TENANT_RPM, TENANT_TPM, Arm, BenchStack, SimSettings
@@ -342,11 +342,7 @@ class Runner:
                 similarity = resp.headers.get("x-kvgate-cache-similarity")
                 if similarity is not None:
                     sample.similarity = float(similarity)
-                if clock is not None and resp.status == 200:
-                    async for chunk in resp.content.iter_any():
-                        clock.feed(chunk, time.perf_counter())
-                else:
-                    raw = await resp.read()
+                raw = await read_answer(resp, clock)
             sample.latency_s = time.perf_counter() - start
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             sample.error = f"{type(exc).__name__}: {exc}"

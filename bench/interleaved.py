@@ -179,6 +179,16 @@ def _session() -> aiohttp.ClientSession:
     )
 
 
+async def read_answer(resp: aiohttp.ClientResponse, clock: _StreamClock | None) -> bytes:
+    """A 200 stream is fed to `clock` as it arrives (token gaps); anything else is read
+    whole and returned."""
+    if clock is not None and resp.status == 200:
+        async for chunk in resp.content.iter_any():
+            clock.feed(chunk, time.perf_counter())
+        return b""
+    return await resp.read()
+
+
 async def send(
     session: aiohttp.ClientSession, arm: Arm, request: Request, sample: Sample, pause_s: float
 ) -> None:
@@ -189,11 +199,7 @@ async def send(
     try:
         async with session.post(arm.chat_url, data=request.body, headers=arm.headers()) as resp:
             sample.status = resp.status
-            if clock is not None and resp.status == 200:
-                async for chunk in resp.content.iter_any():
-                    clock.feed(chunk, time.perf_counter())
-            else:
-                raw = await resp.read()
+            raw = await read_answer(resp, clock)
         sample.latency_s = time.perf_counter() - start
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"

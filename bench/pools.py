@@ -104,6 +104,7 @@ from bench.loadgen import _StreamClock
 from bench.prompts import prompt_text
 from bench.stack import (
     Arm,
+    envoy_argv,
     envoy_unguarded,
     envoy_without_extproc,
     machine_busy_seconds,
@@ -442,20 +443,7 @@ class Rig:
         if kvgate is None:
             envoy_without_extproc(dst, dst)
             envoy_unguarded(dst)
-        argv = [
-            _bin("envoy"),
-            "-c",
-            str(dst),
-            "--disable-hot-restart",
-            "--concurrency",
-            "1",
-            "-l",
-            "warning",
-            "--drain-time-s",
-            "1",
-            "--parent-shutdown-time-s",
-            "2",
-        ]
+        argv = envoy_argv(dst, "--drain-time-s", "1", "--parent-shutdown-time-s", "2")
         e.proc = ManagedProcess(f"envoy-{name}", argv, log_dir=self.log_dir).start()
         self.envoys[name] = e
         return e

@@ -89,6 +89,21 @@ PAIR = ("kvgate-redis-a", "kvgate-redis-b")
 EXTPROC_CLUSTER = "kvgate_extproc"
 
 
+def envoy_argv(config: Path, *extra: str) -> list[str]:
+    """A benchmark Envoy: one worker, no hot restart, warnings only."""
+    return [
+        _bin("envoy"),
+        "-c",
+        str(config),
+        "--disable-hot-restart",
+        "--concurrency",
+        "1",
+        "-l",
+        "warning",
+        *extra,
+    ]
+
+
 @dataclass
 class SimSettings:
     ttft_ms: float = 0.0
@@ -394,17 +409,7 @@ class BenchStack:
             add_extproc_endpoints(dst, more_extproc_ports)
         if name in ("envoy", "noop"):
             envoy_unguarded(dst)
-        argv = [
-            _bin("envoy"),
-            "-c",
-            str(dst),
-            "--disable-hot-restart",
-            "--concurrency",
-            "1",
-            "-l",
-            "warning",
-        ]
-        proc = ManagedProcess(f"envoy-{name}", argv, log_dir=self.log_dir)
+        proc = ManagedProcess(f"envoy-{name}", envoy_argv(dst), log_dir=self.log_dir)
         self.procs[f"envoy-{name}"] = proc
         return proc
 

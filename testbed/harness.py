@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -391,6 +391,33 @@ class ManagedProcess:
 
 
 # --------------------------------------------------------------------------- the stack
+
+
+@contextlib.contextmanager
+def embedding_sim(log_dir: Path, api_key: str | None = None) -> Iterator[str]:
+    """A simulator serving `/v1/embeddings` with WordLlama (and the demo model), alone on a
+    free port, until the block ends: yields its base URL (without `/v1`)."""
+    port = free_port()
+    argv = [
+        _bin("vllm-sim"),
+        "--model-dir",
+        str(demo_model_dir()),
+        "--served-model-name",
+        "demo",
+        "--port",
+        str(port),
+        "--embedding-model",
+        "wordllama",
+    ]
+    if api_key is not None:
+        argv += ["--api-key", api_key]
+    proc = ManagedProcess("vllm-sim-embed", argv, log_dir=log_dir)
+    proc.start()
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
 
 
 @dataclass
@@ -948,6 +975,17 @@ def assert_free_cache_hit_booked(
     assert after["cache_hits"] == before["cache_hits"] + 1, (before, after)
     assert after["cache_saved_tokens"] == before["cache_saved_tokens"] + made, (before, after)
     return made
+
+
+def sdk_stream_text(chunks: Iterable[Any]) -> tuple[str, Any]:
+    """The text and the usage (None when the stream carried none) of an OpenAI SDK chat
+    stream, as a client reads it."""
+    parts, usage = [], None
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return "".join(parts), usage
 
 
 def sim_stats(stack: Stack, backend: str | None = None) -> dict[str, Any]:

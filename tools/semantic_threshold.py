@@ -503,38 +503,12 @@ def run_sim(pairs: Sequence[dict[str, Any]], reference: np.ndarray) -> dict[str,
     sys.path.insert(0, str(REPO_ROOT))
     import tempfile
 
-    from testbed.demo_model import demo_model_dir
-    from testbed.harness import ManagedProcess, _bin, free_port
+    from testbed.harness import embedding_sim
 
-    port = free_port()
-    argv = [
-        _bin("vllm-sim"),
-        "--model-dir",
-        str(demo_model_dir()),
-        "--served-model-name",
-        "demo",
-        "--port",
-        str(port),
-        "--embedding-model",
-        "wordllama",
-    ]
-    with tempfile.TemporaryDirectory() as logs:
-        proc = ManagedProcess("vllm-sim-threshold", argv, log_dir=Path(logs))
-        proc.start()
-        try:
-            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
-            return asyncio.run(
-                run_endpoint(
-                    pairs,
-                    f"http://127.0.0.1:{port}/v1",
-                    "wordllama-l2-supercat",
-                    256,
-                    None,
-                    reference,
-                )
-            )
-        finally:
-            proc.stop()
+    with tempfile.TemporaryDirectory() as logs, embedding_sim(Path(logs)) as url:
+        return asyncio.run(
+            run_endpoint(pairs, f"{url}/v1", "wordllama-l2-supercat", 256, None, reference)
+        )
 
 
 def measure_latency(rounds: int = 2000) -> dict[str, Any]:

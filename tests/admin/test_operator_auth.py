@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.app import KvgateServer
 from kvgate.config import ConfigError, load_config, parse_config
 from kvgate.logs import JsonFormatter
+from tests.admin.cli_runner import run_backends_cli
 from tests.session.conftest import make_config
 
 TOKEN = "op-token-3f9c1a7e5b2d4c6e8a0b"
@@ -235,24 +235,6 @@ async def admin_error(address: str, token: str | None = None) -> grpc.aio.AioRpc
         return raised.value
 
 
-async def cli(address: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "kvgate.cli",
-        "backends",
-        "--admin",
-        address,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if k != "KVGATE_ADMIN_TOKEN"} | (env or {}),
-    )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
-    assert process.returncode is not None
-    return process.returncode, stdout.decode() + stderr.decode()
-
-
 async def test_token_guards_http_and_grpc_and_the_cli_sends_it(
     tmp_path: Path, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -293,15 +275,15 @@ async def test_token_guards_http_and_grpc_and_the_cli_sends_it(
         assert "kvgate.admin.v1.Admin" in await asyncio.to_thread(list_services)
 
         # The CLI: --token-file, $KVGATE_ADMIN_TOKEN, nothing.
-        code, output = await cli(admin, "--token-file", str(token_file))
+        code, output = await run_backends_cli(admin, "--token-file", str(token_file))
         assert code == 0 and "gpu-a" in output, output
-        code, output = await cli(admin, env={"KVGATE_ADMIN_TOKEN": TOKEN})
+        code, output = await run_backends_cli(admin, env={"KVGATE_ADMIN_TOKEN": TOKEN})
         assert code == 0 and "gpu-a" in output, output
-        code, output = await cli(admin)
+        code, output = await run_backends_cli(admin)
         assert code == 2 and "UNAUTHENTICATED" in output, output
-        code, output = await cli(admin, env={"KVGATE_ADMIN_TOKEN": OTHER})
+        code, output = await run_backends_cli(admin, env={"KVGATE_ADMIN_TOKEN": OTHER})
         assert code == 2 and "UNAUTHENTICATED" in output and OTHER not in output, output
-        code, output = await cli(admin, "--token-file", str(tmp_path / "absent"))
+        code, output = await run_backends_cli(admin, "--token-file", str(tmp_path / "absent"))
         assert code == 2 and "--token-file" in output, output
 
         # Rotation: the Secret volume swaps the file; kvgate follows without a reload.

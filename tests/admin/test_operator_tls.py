@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import ssl
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.app import KvgateServer
 from kvgate.config import ConfigError, load_config, parse_config
 from kvgate.config.model import OperatorTlsConfig
+from tests.admin.cli_runner import run_backends_cli
 from tests.admin.pki import Pki, SecretVolume, make_pki, needs_openssl
 from tests.admin.test_operator_auth import EXPOSED_IP, TOKEN, rendered_logs
 from tests.session.conftest import make_config
@@ -241,33 +240,6 @@ async def plain_get(url: str) -> tuple[int, Any]:
         return response.status, body
 
 
-def environment(**extra: str) -> dict[str, str]:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KVGATE_ADMIN_")  # nothing from the developer's shell
-    }
-    return clean | extra
-
-
-async def cli(address: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "kvgate.cli",
-        "backends",
-        "--admin",
-        address,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env if env is not None else environment(),
-    )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
-    assert process.returncode is not None
-    return process.returncode, stdout.decode() + stderr.decode()
-
-
 @pytest.fixture
 async def mutual_tls_exposed(
     pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -359,16 +331,16 @@ async def test_cli_with_tls_flags_and_environment(
     admin = f"{EXPOSED_CONNECT}:{mutual_tls_exposed.admin_port}"
     flags = ["--tls-ca", str(pki.crt("ca")), "--tls-server-name", "localhost"]
     client = ["--tls-cert", str(pki.crt("client")), "--tls-key", str(pki.key("client"))]
-    code, output = await cli(admin, *flags, *client)
+    code, output = await run_backends_cli(admin, *flags, *client)
     assert code == 0 and "gpu-a" in output, output
-    code, output = await cli(
+    code, output = await run_backends_cli(
         admin,
-        env=environment(
-            KVGATE_ADMIN_TLS_CA=str(pki.crt("ca")),
-            KVGATE_ADMIN_TLS_CERT=str(pki.crt("client")),
-            KVGATE_ADMIN_TLS_KEY=str(pki.key("client")),
-            KVGATE_ADMIN_TLS_SERVER_NAME="localhost",
-        ),
+        env={
+            "KVGATE_ADMIN_TLS_CA": str(pki.crt("ca")),
+            "KVGATE_ADMIN_TLS_CERT": str(pki.crt("client")),
+            "KVGATE_ADMIN_TLS_KEY": str(pki.key("client")),
+            "KVGATE_ADMIN_TLS_SERVER_NAME": "localhost",
+        },
     )
     assert code == 0 and "gpu-a" in output, output
     # Without a client certificate, with another CA's, in plain text: refused, with a hint.
@@ -377,12 +349,12 @@ async def test_cli_with_tls_flags_and_environment(
         [*flags, "--tls-cert", str(pki.crt("intruder")), "--tls-key", str(pki.key("intruder"))],
         [],
     ):
-        code, output = await cli(admin, *args)
+        code, output = await run_backends_cli(admin, *args)
         assert code == 2 and "UNAVAILABLE" in output and "--tls-" in output, (args, output)
     # Flags that cannot work are refused before any call, naming the flag.
-    code, output = await cli(admin, *flags, "--tls-cert", str(pki.crt("client")))
+    code, output = await run_backends_cli(admin, *flags, "--tls-cert", str(pki.crt("client")))
     assert code == 2 and "--tls-cert and --tls-key go together" in output, output
-    code, output = await cli(admin, env=environment(KVGATE_ADMIN_TLS_CA="/nonexistent/ca.crt"))
+    code, output = await run_backends_cli(admin, env={"KVGATE_ADMIN_TLS_CA": "/nonexistent/ca.crt"})
     assert code == 2 and "--tls-ca ($KVGATE_ADMIN_TLS_CA): cannot read" in output, output
 
 
@@ -413,7 +385,7 @@ async def test_token_and_mutual_tls_both_required_on_real_listeners(
         # The plain port refuses the token too: no way in around TLS.
         status, _ = await plain_get(f"http://127.0.0.1:{kvgate.http_port}/admin/usage")
         assert status == 403
-        code, output = await cli(
+        code, output = await run_backends_cli(
             admin,
             "--token-file",
             str(token_file),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import logging
 import subprocess
 import sys
 import threading
@@ -30,8 +29,8 @@ from kvgate.cache.embeddings import (
     cosine,
     l2_normalise,
 )
-from testbed.demo_model import demo_model_dir
-from testbed.harness import ManagedProcess, _bin, free_port
+from testbed.harness import embedding_sim, free_port
+from testbed.wordllama_reference import load_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SIM_MODEL = "wordllama-l2-supercat"
@@ -45,18 +44,6 @@ TEXTS = [
 ]
 
 
-def import_wordllama() -> Any:
-    """``wordllama`` itself, for reference values. Importing it calls
-    ``logging.basicConfig(level=INFO)``: the root logger is put back as it was."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        return pytest.importorskip("wordllama")
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
 @pytest.fixture(scope="module")
 def wordllama() -> WordLlamaEmbedder:
     return WordLlamaEmbedder()
@@ -66,10 +53,7 @@ def wordllama() -> WordLlamaEmbedder:
 
 
 async def test_wordllama_matches_the_package(wordllama: WordLlamaEmbedder) -> None:
-    package = import_wordllama()
-    reference = package.WordLlama.load(
-        cache_dir=Path(package.__file__).parent, disable_download=True
-    )
+    reference = load_reference()
     got = await wordllama.embed(TEXTS)
     assert got.dtype == np.float32 and got.shape == (len(TEXTS), 256)
     np.testing.assert_allclose(got, reference.embed(TEXTS, norm=True), atol=2e-6)
@@ -185,27 +169,8 @@ def test_l2_normalise_and_cosine() -> None:
 
 @pytest.fixture(scope="module")
 def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    argv = [
-        _bin("vllm-sim"),
-        "--model-dir",
-        str(demo_model_dir()),
-        "--served-model-name",
-        "demo",
-        "--port",
-        str(port),
-        "--embedding-model",
-        "wordllama",
-        "--api-key",
-        SIM_KEY,
-    ]
-    proc = ManagedProcess("vllm-sim-embed", argv, log_dir=tmp_path_factory.mktemp("sim"))
-    proc.start()
-    try:
-        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    with embedding_sim(tmp_path_factory.mktemp("sim"), api_key=SIM_KEY) as url:
+        yield url
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from testbed.harness import (
     Stack,
     assert_free_cache_hit_booked,
     kvgate_metrics,
+    sdk_stream_text,
     tenant_totals,
     wait_until,
 )
@@ -111,12 +112,8 @@ def test_a_replayed_stream_parses_with_the_openai_sdk(stack: Stack) -> None:
             stream=True,
             stream_options={"include_usage": include_usage},
         )
-        parts, usage = [], None
-        for chunk in response.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                parts.append(chunk.choices[0].delta.content)
-            usage = chunk.usage or usage
-        return "".join(parts), usage, response.headers["x-kvgate-cache"]
+        text, usage = sdk_stream_text(response.parse())
+        return text, usage, response.headers["x-kvgate-cache"]
 
     text, usage, result = run(include_usage=False)
     assert result == "miss" and usage is None

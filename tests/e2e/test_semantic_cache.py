@@ -25,6 +25,7 @@ from testbed.harness import (
     assert_free_cache_hit_booked,
     default_models,
     kvgate_metrics,
+    sdk_stream_text,
     tenant_totals,
     wait_until,
 )
@@ -208,12 +209,8 @@ def test_a_semantic_hit_stream_parses_with_the_openai_sdk(stack: Stack) -> None:
         response = client.chat.completions.with_raw_response.create(
             **_body(question, context, stream=True, stream_options={"include_usage": True})
         )
-        parts, usage = [], None
-        for chunk in response.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                parts.append(chunk.choices[0].delta.content)
-            usage = chunk.usage or usage
-        return "".join(parts), usage, response.headers["x-kvgate-cache"]
+        text, usage = sdk_stream_text(response.parse())
+        return text, usage, response.headers["x-kvgate-cache"]
 
     text, usage, result = run(QUESTION)
     assert result == "miss" and text and usage is not None

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient
 
+from testbed.wordllama_reference import load_reference
 from tests.sim.conftest import MakeClient
 from tests.sim.helpers import MODEL
 from vllm_sim.cli import build_parser, config_from_args
@@ -22,18 +21,6 @@ NAME = "wordllama-l2-supercat"
 QUESTION = "What is the capital of France?"
 
 
-def import_wordllama() -> Any:
-    """``wordllama`` itself, for reference values. Importing it calls
-    ``logging.basicConfig(level=INFO)``: the root logger is put back as it was."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        return pytest.importorskip("wordllama")
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
 @pytest.fixture
 async def eclient(make_client: MakeClient) -> TestClient:
     return await make_client(embedding_model="wordllama")
@@ -41,12 +28,7 @@ async def eclient(make_client: MakeClient) -> TestClient:
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    """wordllama's own model (its loader pointed at the package: it would download the
-    tokenizer from Hugging Face otherwise)."""
-    wordllama = import_wordllama()
-    return wordllama.WordLlama.load(
-        cache_dir=Path(wordllama.__file__).parent, disable_download=True
-    )
+    return load_reference()
 
 
 async def post(client: TestClient, body: Any, **headers: str) -> tuple[int, Any, bytes]:

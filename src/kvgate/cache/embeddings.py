@@ -84,6 +84,14 @@ class Embedder(Protocol):
     async def close(self) -> None: ...
 
 
+def _text_list(texts: Sequence[str]) -> list[str]:
+    """The texts as a list; a caller passing anything but strings is a bug, not input."""
+    out = list(texts)
+    if not all(isinstance(t, str) for t in out):
+        raise TypeError("texts must be strings")
+    return out
+
+
 def l2_normalise(vectors: npt.ArrayLike) -> Vectors:
     """Rows scaled to unit length, as float32; an all-zero row stays zero."""
     out = np.array(vectors, dtype=np.float32, copy=True, ndmin=2)
@@ -178,9 +186,7 @@ class WordLlamaEmbedder:
         return self._dimensions
 
     async def embed(self, texts: Sequence[str]) -> Vectors:
-        texts = list(texts)
-        if not all(isinstance(t, str) for t in texts):
-            raise TypeError("texts must be strings")
+        texts = _text_list(texts)
         self._check_lengths(texts)
         if sum(len(t) for t in texts) <= self.inline_max_chars:
             return self.embed_sync(texts)
@@ -302,9 +308,7 @@ class OpenAIEmbeddingsClient:
         return self._dimensions
 
     async def embed(self, texts: Sequence[str]) -> Vectors:
-        texts = list(texts)
-        if not all(isinstance(t, str) for t in texts):
-            raise TypeError("texts must be strings")
+        texts = _text_list(texts)
         if not texts:
             return np.zeros((0, self._dimensions), dtype=np.float32)
         parts = [
