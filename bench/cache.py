@@ -71,7 +71,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 import urllib.request
@@ -86,7 +85,16 @@ import numpy as np
 from bench.interleaved import read_answer, rotated, threads_cpu_seconds
 from bench.loadgen import _StreamClock
 from bench.prompts import prompt_text
-from bench.stack import MODEL, REPO_ROOT, TENANT_RPM, TENANT_TPM, Arm, BenchStack, SimSettings
+from bench.stack import (
+    MODEL,
+    REPO_ROOT,
+    TENANT_RPM,
+    TENANT_TPM,
+    Arm,
+    BenchStack,
+    SimSettings,
+    git_output,
+)
 from bench.stats import percentile
 from kvgate.lifecycle.semantic_cache import MAX_CANDIDATES
 from testbed.harness import MetricSamples, sha256_hex
@@ -567,16 +575,6 @@ def expected_counters(
     }
 
 
-def _git(*argv: str) -> str:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), *argv], capture_output=True, text=True, timeout=20
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    return out.stdout.strip()
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -602,8 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     first = -(args.warmup + LAG)
 
     # The code kvgate runs is the tree at its start (others may commit during the run).
-    commit = _git("rev-parse", "--short", "HEAD")
-    dirty = " + uncommitted src/ changes" if _git("status", "--porcelain", "src") else ""
+    commit = git_output("rev-parse", "--short", "HEAD")
+    dirty = " + uncommitted src/ changes" if git_output("status", "--porcelain", "src") else ""
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     work = REPO_ROOT / "var" / "bench" / f"cache-{stamp}"
     given = sys.argv[1:] if argv is None else argv

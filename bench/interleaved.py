@@ -57,7 +57,6 @@ import math
 import os
 import random
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -76,6 +75,7 @@ from bench.stack import (
     Arm,
     BenchStack,
     SimSettings,
+    git_output,
     process_cpu_seconds,
 )
 from bench.stats import percentile
@@ -627,16 +627,6 @@ def write_csv(out: Path, runs: list[CaseRun]) -> None:
                     w.writerow([s.case, s.iteration, s.arm, i, f"{gap * 1e3:.3f}"])
 
 
-def _git(*argv: str) -> str:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), *argv], capture_output=True, text=True, timeout=20
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    return out.stdout.strip()
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -760,13 +750,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(run.samples)} requests in {run.wall_s:.0f} s{size}.\n\n{table}\n"
         )
     skipped = "".join(f"\nSkipped arm {a}: {why}." for a, why in stack.skipped.items())
+    dirty = " + uncommitted src/ changes" if git_output("status", "--porcelain", "src") else ""
     md = "\n".join(
         [
             "# kvgate interleaved benchmark\n",
             f"`{command}`\n",
             f"{dt.datetime.now().isoformat(timespec='seconds')}; "
-            f"commit {_git('rev-parse', '--short', 'HEAD')}"
-            f"{' + uncommitted src/ changes' if _git('status', '--porcelain', 'src') else ''}; "
+            f"commit {git_output('rev-parse', '--short', 'HEAD')}"
+            f"{dirty}; "
             f"{os.cpu_count()} CPUs; {time.time() - started:.0f} s. Arms {', '.join(live)}; "
             f"kvgate args `{args.kvgate_args}`.{skipped}\n",
             "One request in flight; arms interleaved request by request, the order rotated "

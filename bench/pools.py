@@ -83,7 +83,6 @@ import re
 import resource
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -107,8 +106,10 @@ from bench.stack import (
     envoy_argv,
     envoy_unguarded,
     envoy_without_extproc,
+    git_output,
     machine_busy_seconds,
     process_cpu_seconds,
+    wait_extproc_healthy,
 )
 from bench.stats import percentile
 from testbed.harness import (
@@ -116,7 +117,6 @@ from testbed.harness import (
     REPO_ROOT,
     ManagedProcess,
     MetricSamples,
-    ProcessError,
     free_port,
     render_envoy_config,
     sha256_hex,
@@ -412,7 +412,7 @@ class Rig:
         k.proc.wait_http(f"http://127.0.0.1:{k.http}/readyz", 180)
         for e in self.envoys.values():
             if e.guarded:
-                _wait_extproc_healthy(e)
+                wait_extproc_healthy(e.admin, f"envoy-{e.name}")
         return "restart"
 
     # ---- Envoy
@@ -460,7 +460,7 @@ class Rig:
             assert e.proc is not None
             e.proc.wait_http(f"http://127.0.0.1:{e.admin}/ready", 60)
             if e.guarded:
-                _wait_extproc_healthy(e)
+                wait_extproc_healthy(e.admin, f"envoy-{e.name}")
 
     def pids(self) -> list[int]:
         procs = [*self.sim_procs.values()]
@@ -523,21 +523,6 @@ def _round_robin_clusters(path: Path, clusters: dict[str, list[int]]) -> None:
             }
         ]
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-
-
-def _wait_extproc_healthy(e: EnvoyProc, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(OSError):
-            text = _get(f"http://127.0.0.1:{e.admin}/clusters", 2).decode()
-            if any(
-                line.startswith("kvgate_extproc::") and line.endswith("health_flags::healthy")
-                for line in text.splitlines()
-            ):
-                return
-        if time.monotonic() > deadline:
-            raise ProcessError(f"envoy-{e.name}: ext_proc cluster not healthy after {timeout}s")
-        time.sleep(0.2)
 
 
 def sim_args(plans: Plans, *, cost: bool = False) -> list[str]:
@@ -2050,15 +2035,6 @@ def _md_cost(r: dict[str, Any]) -> list[str]:
 # =========================================================================== main
 
 
-def _git(*argv: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.rstrip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def _machine() -> str:
     model = ""
     with contextlib.suppress(OSError):
@@ -2166,11 +2142,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "pools-quick" if args.quick else "pools"
-    dirty = _git("status", "--porcelain", "--", "src", "sim", "envoy", "testbed")
+    dirty = git_output("status", "--porcelain", "--", "src", "sim", "envoy", "testbed")
     results: dict[str, Any] = {
         "meta": {
             "quick": args.quick,
-            "commit": _git("rev-parse", "--short", "HEAD").strip(),
+            "commit": git_output("rev-parse", "--short", "HEAD").strip(),
             "dirty": ", ".join(line[3:] for line in dirty.splitlines()),
             "started": f"{started:%Y-%m-%d %H:%M}",
             "machine": _machine(),

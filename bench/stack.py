@@ -89,6 +89,37 @@ PAIR = ("kvgate-redis-a", "kvgate-redis-b")
 EXTPROC_CLUSTER = "kvgate_extproc"
 
 
+def wait_extproc_healthy(admin_port: int, name: str, timeout: float = 30.0) -> None:
+    """Until the Envoy behind `admin_port` sees its ext_proc cluster healthy (its first
+    requests would otherwise fail open or closed, not be measured)."""
+    url = f"http://127.0.0.1:{admin_port}/clusters"
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                text = resp.read().decode()
+            if any(
+                line.startswith("kvgate_extproc::") and line.endswith("health_flags::healthy")
+                for line in text.splitlines()
+            ):
+                return
+        if time.monotonic() > deadline:
+            raise ProcessError(f"{name}: ext_proc cluster not healthy after {timeout}s")
+        time.sleep(0.2)
+
+
+def git_output(*argv: str) -> str:
+    """`git -C <repo> argv...`'s output, stripped ("?" when git cannot run): the results
+    name the commit they measured."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *argv], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return out.stdout.strip()
+
+
 def envoy_argv(config: Path, *extra: str) -> list[str]:
     """A benchmark Envoy: one worker, no hot restart, warnings only."""
     return [
@@ -646,21 +677,8 @@ class BenchStack:
         assert pid is not None
         return pid
 
-    def _wait_extproc_healthy(self, name: str, timeout: float = 30.0) -> None:
-        url = f"http://127.0.0.1:{self._port(f'envoy-{name}:admin')}/clusters"
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    text = resp.read().decode()
-                if any(
-                    line.startswith("kvgate_extproc::") and line.endswith("health_flags::healthy")
-                    for line in text.splitlines()
-                ):
-                    return
-            if time.monotonic() > deadline:
-                raise ProcessError(f"envoy-{name}: ext_proc cluster not healthy after {timeout}s")
-            time.sleep(0.2)
+    def _wait_extproc_healthy(self, name: str) -> None:
+        wait_extproc_healthy(self._port(f"envoy-{name}:admin"), f"envoy-{name}")
 
     def restart_sim(self, settings: SimSettings) -> None:
         """Same port, new latencies (Envoy clusters and LiteLLM keep pointing at it)."""

@@ -27,9 +27,9 @@ from kvgate.admin.auth import (
 )
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.app import KvgateServer
-from kvgate.config import ConfigError, load_config, parse_config
+from kvgate.config import ConfigError, parse_config
 from kvgate.logs import JsonFormatter
-from tests.admin.cli_runner import run_backends_cli
+from tests.admin.support import run_backends_cli, start_server
 from tests.session.conftest import make_config
 
 TOKEN = "op-token-3f9c1a7e5b2d4c6e8a0b"
@@ -182,16 +182,6 @@ def test_missing_token_file_stops_the_server(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- real servers
-
-
-async def start_server(tmp_path: Path, **server: Any) -> KvgateServer:
-    config = make_config()
-    config["server"].update(server)
-    path = tmp_path / "kvgate.yaml"
-    path.write_text(yaml.safe_dump(config))
-    kvgate = KvgateServer(load_config(path), path)
-    await kvgate.start()
-    return kvgate
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ from kvgate.admin.auth import OperatorAuth, OperatorTokens
 from kvgate.admin.tls import OperatorTls
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.app import KvgateServer
-from kvgate.config import ConfigError, load_config, parse_config
+from kvgate.config import ConfigError, parse_config
 from kvgate.config.model import OperatorTlsConfig
-from tests.admin.cli_runner import run_backends_cli
 from tests.admin.pki import Pki, SecretVolume, make_pki, needs_openssl
+from tests.admin.support import run_backends_cli, start_server
 from tests.admin.test_operator_auth import EXPOSED_IP, TOKEN, rendered_logs
 from tests.session.conftest import make_config
 
@@ -161,16 +161,6 @@ def test_check_config_reads_tls_files_when_asked(
 
 
 # --------------------------------------------------------------------------- real servers
-
-
-async def start_server(tmp_path: Path, **server: Any) -> KvgateServer:
-    config = make_config()
-    config["server"].update(server)
-    path = tmp_path / "kvgate.yaml"
-    path.write_text(yaml.safe_dump(config))
-    kvgate = KvgateServer(load_config(path), path)
-    await kvgate.start()
-    return kvgate
 
 
 def client_context(pki: Pki, client: str | None, trust: str = "ca") -> ssl.SSLContext:

@@ -1,10 +1,30 @@
-"""`kvgate backends --admin ...` run as a subprocess, as an operator runs it."""
+"""What the operator-access tests share: a real kvgate started from the session tests'
+config, and `kvgate backends --admin ...` run as a subprocess, as an operator runs it."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvgate.app import KvgateServer
+from kvgate.config import load_config
+from tests.session.conftest import make_config
+
+
+async def start_server(tmp_path: Path, **server: Any) -> KvgateServer:
+    """A started kvgate whose `server:` section has `server` on top of the test config."""
+    config = make_config()
+    config["server"].update(server)
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    kvgate = KvgateServer(load_config(path), path)
+    await kvgate.start()
+    return kvgate
 
 
 async def run_backends_cli(
