@@ -767,6 +767,23 @@ class Stack:
                 )
             time.sleep(0.1)
 
+    def wait_extproc_serving(self, timeout: float = 30.0) -> None:
+        """Wait until requests pass kvgate again (after a restart). Healthy in Envoy's
+        /clusters is not enough: an endpoint that outlier detection ejected while kvgate
+        was down stays out until the next outlier sweep (up to its 1 s interval), and the
+        admin page does not say so. So: until `GET /v1/models` through Envoy answers 200."""
+        self.wait_extproc_healthy(timeout)
+        url = f"{self.base_url}/v1/models"
+        headers = self.auth_headers()
+        wait_until(
+            lambda: _status_of(url, headers),
+            lambda status: status == 200,
+            timeout=timeout,
+            interval=0.1,
+        )
+        if _status_of(url, headers) != 200:
+            raise ProcessError(f"requests still fail through Envoy after {timeout:.0f}s")
+
     def extproc_health_flags(self) -> str:
         """'healthy', or Envoy's health flags for the kvgate endpoint (e.g. '/failed_active_hc')."""
         try:
@@ -931,6 +948,17 @@ class MetricSamples:
 def kvgate_metrics(stack: Stack) -> MetricSamples:
     with urllib.request.urlopen(stack.kvgate_metrics_url, timeout=5) as resp:
         return MetricSamples(resp.read().decode())
+
+
+def _status_of(url: str, headers: Mapping[str, str]) -> int:
+    request = urllib.request.Request(url, headers=dict(headers))
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
 
 
 def _get_json(url: str) -> Any:

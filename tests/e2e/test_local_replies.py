@@ -245,15 +245,15 @@ def test_kvgate_down_is_503_json(stack: Stack) -> None:
             assert unhealthy.headers.get("retry-after") == "1"
     finally:
         stack.start_kvgate()
-        # Envoy's health check must see kvgate again before the next test's request.
-        stack.wait_extproc_healthy(timeout=30)
+        # Requests must pass kvgate again before the next test's request.
+        stack.wait_extproc_serving(timeout=30)
 
 
 def test_backend_down_is_json(stack: Stack) -> None:
     """The simulator killed: Envoy's connect failure to the admitted backend."""
     # kvgate must be admitting (an earlier test may have restarted it): this is about the
     # backend, not about the ext_proc cluster.
-    stack.wait_extproc_healthy(timeout=30)
+    stack.wait_extproc_serving(timeout=30)
     name = stack.backends[0]["name"]
     sim = stack.sims[name]
     sim.kill()
