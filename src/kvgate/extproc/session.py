@@ -35,6 +35,7 @@ from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages
 from kvgate.extproc.handoff import METADATA_KEY
 from kvgate.extproc.outcomes import Answer, answer_headers, api_error
+from kvgate.extproc.priority_header import parse_priority_class
 from kvgate.extproc.route_settings import (
     BACKEND_KEY,
     NO_ROUTE_SETTINGS,
@@ -386,16 +387,20 @@ class StreamSession:
         asked = headers.get(PRIORITY_HEADER)
         if asked is None:
             return own
-        text = asked.strip(_OWS)
-        if (
-            text.lstrip("-").isdigit()
-            and len(text) <= 4
-            and (int(text) in allowed or int(text) == own)
-        ):
-            return int(text)
+        choices = ", ".join(str(p) for p in sorted({own, *allowed}))
+        asked_class = parse_priority_class(asked.strip(_OWS))
+        if asked_class is None:
+            return api_errors.invalid_request(
+                f"The {PRIORITY_HEADER} header must be a whole number written with the "
+                f"digits 0-9 and an optional leading '-' (allowed for this key: {choices}).",
+                PRIORITY_HEADER,
+                "invalid_value",
+            )
+        if asked_class in allowed or asked_class == own:
+            return asked_class
         return api_errors.invalid_request(
             f"The {PRIORITY_HEADER} header asks for a priority class this key may not use "
-            f"(allowed: {', '.join(str(p) for p in sorted({own, *allowed}))}).",
+            f"(allowed: {choices}).",
             PRIORITY_HEADER,
             "invalid_value",
         )
