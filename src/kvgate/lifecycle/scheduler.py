@@ -325,6 +325,8 @@ class PoolScheduler:
         for key in order:
             endpoint = by_key[key]
             decision = await reserve_on(replace(request, backend=key), endpoint.limits)
+            if not decision.admitted:
+                decision = _endpoint_unnamed(decision, key, settings.name)
             if decision.admitted:
                 self._status.pop(key, None)  # our own view of it is stale now
                 if hashes:
@@ -342,9 +344,10 @@ class PoolScheduler:
 
     def _nothing_pickable(self, view: PoolView, settings: BackendConfig) -> Placement:
         if view.shedding:
-            key, verdict = view.shedding[0]
+            # The answer goes to the client: the pool's name, never an endpoint's address.
+            _, verdict = view.shedding[0]
             retry = settings.backpressure.retry_after_s if settings.backpressure else 2.0
-            detail = f"Every endpoint of '{settings.name}' is overloaded ({key}: {verdict.detail})."
+            detail = f"Every endpoint of '{settings.name}' is overloaded ({verdict.detail})."
             return Placement(
                 decision=Decision(
                     admitted=False,
@@ -410,6 +413,15 @@ class PoolScheduler:
     def pool_views(self) -> list[PoolView]:
         """Every pool's endpoints now (for the gauges, read when /metrics is scraped)."""
         return [self._pools.view(name) for name in self._settings]
+
+
+def _endpoint_unnamed(decision: Decision, key: str, pool: str) -> Decision:
+    """An endpoint's refusal as the client may read it: the store names the endpoint's
+    ledger (`pool/IP:PORT`), an internal address the answer must not carry."""
+    if key not in decision.detail:
+        return decision
+    detail = decision.detail.replace(f"'{key}'", f"'{pool}' (one endpoint)").replace(key, pool)
+    return replace(decision, detail=detail)
 
 
 def _pool_full(refusals: list[Decision], pool: str) -> Placement:

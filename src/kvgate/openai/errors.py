@@ -9,13 +9,17 @@ surface the message unchanged::
 All four keys are always present (null when unknown), as in OpenAI's answers.
 
 Messages must be safe to show to the client: they never contain credentials,
-and any value echoed from the request is clipped (see :func:`clip`).
+and any value echoed from the request is clipped (see :func:`clip`). They never
+name an internal address either: pool endpoints (pod IP:PORT) belong in logs and
+metrics, and as a last guard :class:`ApiError` replaces any IP address left in a
+message with ``<endpoint>``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 
 __all__ = [
@@ -30,6 +34,7 @@ __all__ = [
     "rate_limited",
     "service_unavailable",
     "unsupported_path",
+    "without_addresses",
 ]
 
 #: Content type of every error body (the ImmediateResponse must set it, or Envoy
@@ -42,6 +47,22 @@ INVALID_REQUEST_ERROR = "invalid_request_error"
 # to recognise a model name, short enough that a hostile value cannot bloat
 # logs or the response.
 _ECHO_LIMIT = 64
+
+# An IPv4 address, or a bracketed IPv6 one, with an optional port: how pool endpoints are
+# written (10.0.3.7:8000, [fd00::7]:8000).
+_ADDRESS = re.compile(
+    r"(?<![\w.])"
+    r"(?:(?:\d{1,3}\.){3}\d{1,3}|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\])"
+    r"(?::\d{1,5})?"
+    r"(?!\w|\.\d)",
+    re.ASCII,
+)
+ADDRESS_PLACEHOLDER = "<endpoint>"
+
+
+def without_addresses(message: str) -> str:
+    """``message`` with every IP address (and its port) replaced by a placeholder."""
+    return _ADDRESS.sub(ADDRESS_PLACEHOLDER, message)
 
 
 def clip(value: object, limit: int = _ECHO_LIMIT) -> str:
@@ -71,6 +92,7 @@ class ApiError(Exception):
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        message = without_addresses(message)
         super().__init__(message)
         self.status = status
         self.message = message
