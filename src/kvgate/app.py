@@ -128,8 +128,8 @@ class KvgateServer:
         )
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
-        self.capacity = CapacityRegistry()
-        self.pools = PoolRegistry()
+        self.capacity = CapacityRegistry(metrics=self.metrics)
+        self.pools = PoolRegistry(metrics=self.metrics)
         self.scheduler = PoolScheduler(
             self.pools,
             self.store.backend_status,

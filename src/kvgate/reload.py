@@ -122,6 +122,9 @@ FIELD_CLASSES: dict[str, str] = {
     "backends.*.discovery.interval_s": RELOAD,
     "backends.*.discovery.timeout_s": RELOAD,
     "backends.*.discovery.max_staleness_s": RELOAD,
+    "backends.*.discovery.max_body_bytes": RELOAD,
+    # Read from the backend's settings whenever a budget is taken from a reading.
+    "backends.*.max_auto_kv_budget_tokens": RELOAD,
     "backends.*.backpressure.max_kv_cache_usage": RELOAD,
     "backends.*.backpressure.max_requests_waiting": RELOAD,
     "backends.*.backpressure.retry_after_s": RELOAD,
@@ -133,6 +136,7 @@ FIELD_CLASSES: dict[str, str] = {
     "backends.*.endpoint_discovery.port": RELOAD,
     "backends.*.endpoint_discovery.refresh_s": RELOAD,
     "backends.*.endpoint_discovery.max_endpoints": RELOAD,
+    "backends.*.endpoint_discovery.allowed_cidrs": RELOAD,
     **{
         f"backends.*.picking.{name}": RELOAD
         for name in (

@@ -23,8 +23,12 @@ __all__ = ["CapacityMonitor", "VllmCapacity", "VllmMetricsError", "parse_vllm_me
 log = logging.getLogger("kvgate.capacity")
 
 # Ask for the classic text format: it is what prometheus_client's parser reads, and
-# what vLLM serves unless a client asks for OpenMetrics.
-_ACCEPT = "text/plain; version=0.0.4"
+# what vLLM serves unless a client asks for OpenMetrics. Uncompressed: a gzip body's size
+# says nothing about what it inflates to.
+_HEADERS = {"Accept": "text/plain; version=0.0.4", "Accept-Encoding": "identity"}
+# vLLM's /metrics is about 100 KiB; a larger body is not a vLLM scrape.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_CHUNK_BYTES = 64 * 1024
 
 
 class CapacityMonitor:
@@ -33,6 +37,10 @@ class CapacityMonitor:
     ``clock`` returns monotonic seconds and only times freshness (when a scrape
     succeeded, how old it is), so tests can age a reading without sleeping. Pacing and
     the per-request timeout use the event loop's own time.
+
+    The endpoint is not trusted: a redirect, a body over ``max_body_bytes``, a compressed
+    body or a scrape longer than ``timeout_s`` (connect to last byte) is a failed scrape.
+    ``on_reading`` sees every good reading once, when it arrives.
     """
 
     def __init__(
@@ -43,16 +51,22 @@ class CapacityMonitor:
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
         max_staleness_s: float = 5.0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        on_reading: Callable[[VllmCapacity], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
-        if interval_s <= 0 or timeout_s <= 0 or max_staleness_s <= 0:
-            raise ValueError("interval_s, timeout_s and max_staleness_s must be > 0")
+        if interval_s <= 0 or timeout_s <= 0 or max_staleness_s <= 0 or max_body_bytes <= 0:
+            raise ValueError(
+                "interval_s, timeout_s, max_staleness_s and max_body_bytes must be > 0"
+            )
         self.metrics_url = metrics_url
         self.model_name = model_name
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_staleness_s = max_staleness_s
+        self.max_body_bytes = max_body_bytes
+        self._on_reading = on_reading
         self._clock = clock
         self._session = session
         self._owns_session = session is None
@@ -109,6 +123,11 @@ class CapacityMonitor:
         self._latest = capacity
         self.last_success_at = self._clock()
         self.scrape_successes += 1
+        if self._on_reading is not None:
+            try:
+                self._on_reading(capacity)
+            except Exception:  # an observer's bug must not turn a good scrape into a failure
+                log.exception("capacity monitor for %s: reading observer failed", self.metrics_url)
         if self.consecutive_failures:
             log.info(
                 "metrics scrape of %s recovered after %d failures",
@@ -128,12 +147,39 @@ class CapacityMonitor:
         async with asyncio.timeout(self.timeout_s):
             async with session.get(
                 self.metrics_url,
-                headers={"Accept": _ACCEPT},
+                headers=_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                # A redirect could point the scrape anywhere (the metadata service, another
+                # pod): the endpoint itself answers, or the scrape fails.
+                allow_redirects=False,
             ) as resp:
+                if 300 <= resp.status < 400:
+                    raise VllmMetricsError(
+                        f"HTTP {resp.status} from {self.metrics_url}: redirects are not followed"
+                    )
                 if resp.status != 200:
                     raise VllmMetricsError(f"HTTP {resp.status} from {self.metrics_url}")
-                return await resp.text()
+                encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise VllmMetricsError(f"a {encoding!r}-encoded body is refused")
+                return (await self._read_bounded(resp)).decode("utf-8", errors="replace")
+
+    async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The body, or VllmMetricsError once it passes max_body_bytes (never buffered
+        beyond that: a declared length over it fails before a byte is read)."""
+        declared = resp.content_length
+        if declared is not None and declared > self.max_body_bytes:
+            raise VllmMetricsError(
+                f"body of {declared} bytes is over max_body_bytes ({self.max_body_bytes})"
+            )
+        body = bytearray()
+        async for chunk in resp.content.iter_chunked(_CHUNK_BYTES):
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise VllmMetricsError(
+                    f"body is over max_body_bytes ({self.max_body_bytes}); not read further"
+                )
+        return bytes(body)
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

@@ -7,12 +7,17 @@ its back-pressure readings and its health. An endpoint whose last scrape failed,
 readings are older than `max_staleness_s`, is not picked; a pool without discovery trusts
 its static list. Admission never halts on stale metrics: kvgate's own reservations are
 what it admits against, the readings only steer which endpoint is tried.
+
+Membership is a trust boundary: a discovered address outside `allowed_cidrs` never joins
+(kvgate.capacity.membership), and an endpoint's own claim of its KV cache is capped at
+`max_auto_kv_budget_tokens`. The static list is the operator's own word and is not filtered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -20,8 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgate.capacity.backpressure import BackpressurePolicy, BackpressureVerdict
-from kvgate.capacity.discovery import CapacityMonitor
+from kvgate.capacity.discovery import CapacityMonitor, VllmCapacity
+from kvgate.capacity.membership import AddressPolicy
 from kvgate.config.model import BackendConfig, KvgateConfig, parse_endpoint_address
+from kvgate.metrics import Metrics
 from kvgate.policy import BackendLimits
 
 log = logging.getLogger("kvgate.pools")
@@ -63,14 +70,25 @@ class PoolView:
 class _Pool:
     """One pool's members and their monitors."""
 
-    def __init__(self, settings: BackendConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, settings: BackendConfig, clock: Callable[[], float], metrics: Metrics | None
+    ) -> None:
         self.settings = settings
         self._clock = clock
+        self._metrics = metrics
         self.addresses: tuple[str, ...] = tuple(settings.endpoints or ())
         self.monitors: dict[str, CapacityMonitor] = {}
-        # Discovered budgets stay in force while a scrape is briefly stale (a GPU's block
-        # count changes only when its engine restarts).
+        # Discovered budgets (as reported; capped when read) stay in force while a scrape is
+        # briefly stale (a GPU's block count changes only when its engine restarts).
         self.known_budget: dict[str, tuple[int, int]] = {}
+        discovery = settings.endpoint_discovery
+        self._address_policy = (
+            AddressPolicy.from_cidrs(discovery.allowed_cidrs) if discovery is not None else None
+        )
+        # Refused addresses of the last answer and endpoints whose claim was capped: each is
+        # logged and counted once while it lasts, not at every refresh or scrape.
+        self._refused: set[str] = set()
+        self._capped: set[str] = set()
         self.backpressure = (
             BackpressurePolicy(
                 max_kv_cache_usage=settings.backpressure.max_kv_cache_usage,
@@ -127,14 +145,13 @@ class _Pool:
                 "pool %s: resolving %s failed: %s", self.settings.name, discovery.dns_name, exc
             )
             return False
-        found = sorted(
-            {
-                f"[{info[4][0]}]:{discovery.port}"
-                if info[0] == socket.AF_INET6
-                else f"{info[4][0]}:{discovery.port}"
-                for info in infos
-            }
-        )
+        resolved = {
+            f"[{info[4][0]}]:{discovery.port}"
+            if info[0] == socket.AF_INET6
+            else f"{info[4][0]}:{discovery.port}"
+            for info in infos
+        }
+        found = sorted(self._admit(resolved, discovery.dns_name))
         if len(found) > discovery.max_endpoints:
             log.warning(
                 "pool %s: %s resolves to %d addresses; using the first %d (max_endpoints)",
@@ -150,6 +167,57 @@ class _Pool:
         self.addresses = tuple(found)
         return True
 
+    def _admit(self, resolved: set[str], dns_name: str) -> set[str]:
+        """The resolved addresses allowed to join; the others counted and logged once."""
+        assert self._address_policy is not None
+        refusals: dict[str, str] = {}
+        for address in resolved:
+            host = address.rpartition(":")[0]
+            reason = self._address_policy.refusal(host)
+            if reason is not None:
+                refusals[address] = reason
+        new = sorted(set(refusals) - self._refused)
+        self._refused = set(refusals)
+        if new:
+            shown = ", ".join(f"{a} ({refusals[a]})" for a in new[:8])
+            more = f" and {len(new) - 8} more" if len(new) > 8 else ""
+            log.warning(
+                "pool %s: %s resolves to addresses outside endpoint_discovery.allowed_cidrs, "
+                "refused: %s%s",
+                self.settings.name,
+                dns_name,
+                shown,
+                more,
+            )
+            if self._metrics is not None:
+                for address in new:
+                    self._metrics.pool_refused_addresses.labels(
+                        self.settings.name, refusals[address]
+                    ).inc()
+        return resolved - set(refusals)
+
+    def _observe_reading(self, address: str, reading: VllmCapacity) -> None:
+        """Each scrape of an endpoint: count (and log once) a KV cache claim over the cap."""
+        settings = self.settings
+        reported = reading.kv_capacity_tokens
+        cap = settings.max_auto_kv_budget_tokens
+        if settings.kv_budget_tokens != "auto" or reported is None or reported <= cap:
+            self._capped.discard(address)
+            return
+        key = endpoint_key(settings.name, address)
+        if self._metrics is not None:
+            self._metrics.kv_budget_capped_reports.labels(key).inc()
+        if address not in self._capped:
+            self._capped.add(address)
+            log.warning(
+                "pool %s: endpoint %s reports a KV cache of %d tokens, over "
+                "max_auto_kv_budget_tokens; its budget is capped at %d",
+                settings.name,
+                address,
+                reported,
+                cap,
+            )
+
     async def _sync_monitors(self) -> None:
         discovery = self.settings.discovery
         if discovery is None:
@@ -159,6 +227,7 @@ class _Pool:
             if address not in wanted:
                 await self.monitors.pop(address).stop()
                 self.known_budget.pop(address, None)
+                self._capped.discard(address)
         fresh: list[CapacityMonitor] = []
         for address in self.addresses:
             if address in self.monitors:
@@ -169,6 +238,8 @@ class _Pool:
                 interval_s=discovery.interval_s,
                 timeout_s=discovery.timeout_s,
                 max_staleness_s=discovery.max_staleness_s,
+                max_body_bytes=discovery.max_body_bytes,
+                on_reading=functools.partial(self._observe_reading, address),
                 clock=self._clock,
             )
             self.monitors[address] = monitor
@@ -204,7 +275,8 @@ class _Pool:
                     else:
                         unhealthy += 1  # down, and never read: nothing to fall back on
                     continue
-                budget, block = known
+                # The endpoint's own claim, never above what the operator allows.
+                budget, block = min(known[0], settings.max_auto_kv_budget_tokens), known[1]
             endpoint = PoolEndpoint(
                 pool=settings.name,
                 address=address,
@@ -241,8 +313,11 @@ class _Pool:
 class PoolRegistry:
     """Every pool's live membership and per-endpoint readings."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None
+    ) -> None:
         self._clock = clock
+        self._metrics = metrics
         self._pools: dict[str, _Pool] = {}
 
     async def sync(self, config: KvgateConfig) -> None:
@@ -254,7 +329,7 @@ class PoolRegistry:
         for name, settings in wanted.items():
             pool = self._pools.get(name)
             if pool is None:
-                pool = _Pool(settings, self._clock)
+                pool = _Pool(settings, self._clock, self._metrics)
                 self._pools[name] = pool
                 await pool.start()
             else:

@@ -1,24 +1,31 @@
-"""Live capacity per backend: discovered KV budgets (`kv_budget_tokens: auto`) and
-back-pressure verdicts from each vLLM's own /metrics."""
+"""Live capacity per backend: discovered KV budgets (`kv_budget_tokens: auto`, never above
+`max_auto_kv_budget_tokens`) and back-pressure verdicts from each vLLM's own /metrics."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from kvgate.capacity.backpressure import BackpressurePolicy, BackpressureVerdict
-from kvgate.capacity.discovery import CapacityMonitor
+from kvgate.capacity.discovery import CapacityMonitor, VllmCapacity
 from kvgate.config.model import BackendConfig, KvgateConfig
+from kvgate.metrics import Metrics
 from kvgate.policy import BackendLimits
 
 log = logging.getLogger("kvgate.capacity")
 
 
 class CapacityRegistry:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None
+    ) -> None:
         self._clock = clock
+        self._metrics = metrics
+        # Backends whose last reading claimed more than the cap (logged once while it lasts).
+        self._capped: set[str] = set()
         self._monitors: dict[str, CapacityMonitor] = {}
         self._settings: dict[str, BackendConfig] = {}
         self._policies: dict[str, BackpressurePolicy] = {}
@@ -34,6 +41,7 @@ class CapacityRegistry:
             if name not in wanted or wanted[name].discovery != self._settings[name].discovery:
                 await self._monitors.pop(name).stop()
                 self._known_budget.pop(name, None)
+                self._capped.discard(name)
         for name, backend in wanted.items():
             self._settings[name] = backend
             discovery = backend.discovery
@@ -45,6 +53,8 @@ class CapacityRegistry:
                     interval_s=discovery.interval_s,
                     timeout_s=discovery.timeout_s,
                     max_staleness_s=discovery.max_staleness_s,
+                    max_body_bytes=discovery.max_body_bytes,
+                    on_reading=functools.partial(self._observe_reading, name),
                     clock=self._clock,
                 )
                 await monitor.poll_once()  # a budget at start-up when the engine is up
@@ -70,7 +80,33 @@ class CapacityRegistry:
         known = self._known_budget.get(limits.name)
         if known is None:
             return None
-        return replace(limits, kv_budget_tokens=known[0], kv_block_size=known[1])
+        settings = self._settings.get(limits.name)
+        cap = settings.max_auto_kv_budget_tokens if settings is not None else known[0]
+        return replace(limits, kv_budget_tokens=min(known[0], cap), kv_block_size=known[1])
+
+    def _observe_reading(self, backend: str, reading: VllmCapacity) -> None:
+        """Each scrape: count (and log once) a KV cache claim over the cap."""
+        settings = self._settings.get(backend)
+        reported = reading.kv_capacity_tokens
+        if (
+            settings is None
+            or settings.kv_budget_tokens != "auto"
+            or reported is None
+            or reported <= settings.max_auto_kv_budget_tokens
+        ):
+            self._capped.discard(backend)
+            return
+        if self._metrics is not None:
+            self._metrics.kv_budget_capped_reports.labels(backend).inc()
+        if backend not in self._capped:
+            self._capped.add(backend)
+            log.warning(
+                "backend %s reports a KV cache of %d tokens, over max_auto_kv_budget_tokens; "
+                "its budget is capped at %d",
+                backend,
+                reported,
+                settings.max_auto_kv_budget_tokens,
+            )
 
     def verdict(self, backend: str) -> BackpressureVerdict | None:
         policy = self._policies.get(backend)

@@ -284,9 +284,13 @@ class DiscoveryConfig(_Strict):
     # The served model name to filter on when one server exposes several.
     model_name: str | None = None
     interval_s: float = Field(default=5.0, gt=0)
+    # The whole scrape (connect, headers, body) ends by then or counts as failed.
     timeout_s: float = Field(default=2.0, gt=0)
     # Older scrapes are ignored: stale numbers never drive admission.
     max_staleness_s: float = Field(default=30.0, gt=0)
+    # A larger body fails the scrape unread (vLLM's /metrics is about 100 KiB); redirects
+    # are never followed and compressed bodies are refused.
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
 
 
 class BackpressureConfig(_Strict):
@@ -296,6 +300,17 @@ class BackpressureConfig(_Strict):
     max_requests_waiting: int | None = Field(default=8, ge=0)
     retry_after_s: float = Field(default=2.0, ge=1)
 
+
+# A pool's discovered members by default: private ranges (RFC 1918, the RFC 6598 shared
+# space some CNIs give pods, IPv6 unique local); never loopback or link-local.
+DEFAULT_ALLOWED_ENDPOINT_CIDRS = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "fc00::/7",
+)
+DEFAULT_MAX_AUTO_KV_BUDGET_TOKENS = 4 * 1024 * 1024
 
 # Envoy's extended message deadline ends this long after kvgate's own, so a request that
 # waited its whole bound still gets kvgate's answer (429 + Retry-After), not an empty 504.
@@ -312,6 +327,23 @@ class EndpointDiscoveryConfig(_Strict):
     # A name that suddenly resolves to thousands of addresses must not start thousands of
     # scrapers: the first this many (sorted) are the pool, and kvgate says so in its log.
     max_endpoints: int = Field(default=256, ge=1, le=4096)
+    # Resolved addresses outside these ranges never join the pool (counted and logged).
+    # Loopback (127.0.0.0/8, ::1) and link-local (169.254.0.0/16 with the cloud metadata
+    # service, fe80::/10) only by a range written inside them, never by e.g. 0.0.0.0/0;
+    # unspecified and multicast addresses never.
+    allowed_cidrs: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_ALLOWED_ENDPOINT_CIDRS), min_length=1
+    )
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"{cidr!r} is not a CIDR range (10.0.0.0/8): {exc}") from None
+        return value
 
 
 class PickingConfig(_Strict):
@@ -350,6 +382,11 @@ class BackendConfig(_Strict):
     # A number, or "auto": num_gpu_blocks x block_size read from vLLM's
     # vllm:cache_config_info (needs `discovery`).
     kv_budget_tokens: int | Literal["auto"]
+    # The most an automatic budget may be, whatever an endpoint's /metrics claims (a rogue
+    # or broken pod reporting a huge cache would otherwise take most prompts); a capped
+    # report is counted and logged. 4 Mi tokens: above one engine of a 7-8B model on an 80
+    # GB GPU (0.4-1 M tokens); raise it for data-parallel servers or small models.
+    max_auto_kv_budget_tokens: int = Field(default=DEFAULT_MAX_AUTO_KV_BUDGET_TOKENS, gt=0)
     kv_block_size: int = Field(default=16, gt=0)
     max_concurrent_requests: int = Field(default=256, gt=0)
     discovery: DiscoveryConfig | None = None
@@ -402,6 +439,14 @@ class BackendConfig(_Strict):
                 raise ValueError("kv_budget_tokens: auto needs a discovery.metrics_url")
         elif self.kv_budget_tokens < self.kv_block_size:  # type: ignore[operator]
             raise ValueError("kv_budget_tokens must hold at least one KV block")
+        capped = "max_auto_kv_budget_tokens" in self.model_fields_set
+        if capped and self.kv_budget_tokens != "auto":
+            raise ValueError(
+                "max_auto_kv_budget_tokens caps kv_budget_tokens: auto; this backend's budget "
+                "is a number"
+            )
+        if self.max_auto_kv_budget_tokens < self.kv_block_size:
+            raise ValueError("max_auto_kv_budget_tokens must hold at least one KV block")
         if self.backpressure is not None and self.discovery is None:
             raise ValueError("backpressure needs a discovery.metrics_url to read load from")
         if self.api_key is not None and self.api_key_env is not None:

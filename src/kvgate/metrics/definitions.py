@@ -234,6 +234,22 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        # `reason` is an address class (kvgate.capacity.membership): bounded.
+        self.pool_refused_addresses = Counter(
+            "kvgate_pool_refused_addresses",
+            "Addresses a pool's DNS name resolved to that were refused membership, counted "
+            "when each first appears: loopback, link_local, unspecified, multicast, public, "
+            "not_allowed (outside endpoint_discovery.allowed_cidrs).",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.kv_budget_capped_reports = Counter(
+            "kvgate_kv_budget_capped_reports",
+            "Scrapes whose reported KV cache exceeded max_auto_kv_budget_tokens: the "
+            "automatic budget was capped there (`backend` as in kvgate_kv_budget_tokens).",
+            ["backend"],
+            registry=r,
+        )
         self.response_cache = Counter(
             "kvgate_response_cache",
             "Metered requests by what the response cache did: hit (answered from it), miss "
