@@ -14,8 +14,11 @@ Where the entries live is an `EntryLog`:
   it up to date before every search with one `XRANGE key (last-seen-id +`: only entries
   newer than the last it read travel, usually none.
 
-`SemanticIndex` is the mirror: contexts in LRU order, bounded in entries; each bucket keeps
-its cursor in the log and its matrix of vectors.
+`SemanticIndex` is the mirror: contexts in LRU order, bounded in bytes; each bucket keeps
+its cursor in the log and its matrix of vectors. Every search mirrors its context, so a
+context that never got an entry (a tenant asking in ever new contexts, all misses) costs
+`CONTEXT_OVERHEAD_BYTES` too; such empty contexts are evicted first, oldest first, so a flood
+of them never pushes out a context with entries.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import asyncio
 import base64
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +35,8 @@ import numpy as np
 import numpy.typing as npt
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+
+from kvgate.cache.semantic_guard import refusal_reason
 
 Vector = npt.NDArray[np.float32]
 
@@ -44,6 +49,11 @@ class SemanticEntry:
     question: str
     vector: Vector
     expires_at: float  # wall clock (time.time()): comparable across replicas
+
+
+# What one context costs besides its entries, about: its key (a 64-character hex digest) in
+# the LRU and as the log's key, the bucket or list object, its cursor and the dict slots.
+CONTEXT_OVERHEAD_BYTES = 512
 
 
 def entry_bytes(entry: SemanticEntry) -> int:
@@ -73,8 +83,8 @@ class EntryLog(Protocol):
 
 
 class MemoryEntryLog:
-    """One process's entries, bounded per context and in bytes over all contexts (the least
-    recently written context dropped first)."""
+    """One process's entries, bounded per context and in bytes over all contexts, each
+    context's overhead included (the least recently written context dropped first)."""
 
     def __init__(self, max_bytes: int, clock: Callable[[], float] = time.time) -> None:
         self._max_bytes = max_bytes
@@ -88,20 +98,28 @@ class MemoryEntryLog:
     def size_bytes(self) -> int:
         return self._bytes
 
+    @property
+    def contexts(self) -> int:
+        return len(self._contexts)
+
     async def append(
         self, context: str, entry: SemanticEntry, ttl_s: float, max_entries: int
     ) -> None:
         self._next_id += 1
-        entries = self._contexts.pop(context, [])
-        self._bytes -= sum(entry_bytes(item) for _, item in entries)
+        entries = self._contexts.pop(context, None)
+        if entries is None:
+            entries = []
+        else:
+            self._bytes -= _context_bytes(item for _, item in entries)
         entries.append((self._next_id, entry))
         now = self._clock()
         entries = [item for item in entries[-max_entries:] if item[1].expires_at > now]
-        self._contexts[context] = entries
-        self._bytes += sum(entry_bytes(item) for _, item in entries)
+        if entries:  # a context whose entries all expired is not kept
+            self._contexts[context] = entries
+            self._bytes += _context_bytes(item for _, item in entries)
         while self._bytes > self._max_bytes and len(self._contexts) > 1:
             _, dropped = self._contexts.popitem(last=False)
-            self._bytes -= sum(entry_bytes(item) for _, item in dropped)
+            self._bytes -= _context_bytes(item for _, item in dropped)
 
     async def read_since(
         self, context: str, cursor: str | None
@@ -168,6 +186,10 @@ class RedisEntryLog:
         return None  # the client belongs to the state store
 
 
+def _context_bytes(entries: Iterable[SemanticEntry]) -> int:
+    return CONTEXT_OVERHEAD_BYTES + sum(entry_bytes(entry) for entry in entries)
+
+
 def _decode(fields: dict[bytes | str, bytes | str]) -> SemanticEntry | None:
     """An entry as another replica wrote it; None when it is malformed (skipped)."""
     try:
@@ -195,7 +217,8 @@ class _Bucket:
 
 
 class SemanticIndex:
-    """Searches one context's stored questions; a mirror of the `EntryLog`."""
+    """Searches one context's stored questions; a mirror of the `EntryLog`, bounded in
+    bytes over all contexts, empty ones included (`CONTEXT_OVERHEAD_BYTES` each)."""
 
     def __init__(
         self,
@@ -211,7 +234,10 @@ class SemanticIndex:
         self._max_per_context = max_entries_per_context
         self._max_mirrored_bytes = max_mirrored_bytes
         self._clock = clock
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()  # least recently searched first
+        self._empty: OrderedDict[str, None] = (
+            OrderedDict()
+        )  # the buckets without entries, same order
         self._mirrored = 0
         self._mirrored_bytes = 0
 
@@ -226,6 +252,19 @@ class SemanticIndex:
     @property
     def mirrored_bytes(self) -> int:
         return self._mirrored_bytes
+
+    @property
+    def mirrored_contexts(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def max_mirrored_bytes(self) -> int:
+        return self._max_mirrored_bytes
+
+    def mirrors(self, context: str) -> bool:
+        """Whether this replica holds the context's bucket (else the next search reads the
+        whole context from the log again)."""
+        return context in self._buckets
 
     async def search(
         self, context: str, vector: Vector, *, min_similarity: float, limit: int = 4
@@ -253,10 +292,14 @@ class SemanticIndex:
                 found.append(Candidate(similarity, entry))
         return found
 
-    async def add(self, context: str, entry: SemanticEntry, ttl_s: float) -> None:
+    async def add(self, context: str, entry: SemanticEntry, ttl_s: float) -> bool:
         """Store an answered question; the next search of this replica sees it (and, through
-        the shared log, every other replica's)."""
+        the shared log, every other replica's). A question the guard refuses outright
+        (invisible text, `refusal_reason`) is never indexed: False."""
+        if refusal_reason(entry.question) is not None:
+            return False
         await self._log.append(context, entry, ttl_s, self._max_per_context)
+        return True
 
     def forget(self, context: str, answer_key: str) -> None:
         """Drop an entry whose answer is gone from this mirror (it expired or was evicted)."""
@@ -264,32 +307,61 @@ class SemanticIndex:
         if bucket is None:
             return
         kept = [entry for entry in bucket.entries if entry.answer_key != answer_key]
-        self._replace(bucket, kept)
+        self._replace(context, bucket, kept)
 
     async def _sync(self, context: str) -> _Bucket:
-        bucket = self._buckets.pop(context, None) or _Bucket()
+        bucket = self._buckets.pop(context, None)
+        if bucket is None:
+            bucket = _Bucket()
+            self._mirrored_bytes += CONTEXT_OVERHEAD_BYTES
         self._buckets[context] = bucket  # most recently used last
+        if not bucket.entries:
+            self._empty.pop(context, None)
+            self._empty[context] = None
         cursor, fresh = await self._log.read_since(context, bucket.cursor)
-        bucket.cursor = cursor
         now = self._clock()
+        # Another search of this context may have read the same entries meanwhile.
+        known = {entry.answer_key for entry in bucket.entries}
         valid = [
             entry
             for entry in fresh
-            if entry.vector.shape == (self._dimensions,) and entry.expires_at > now
+            if entry.vector.shape == (self._dimensions,)
+            and entry.expires_at > now
+            and entry.answer_key not in known
         ]
-        expired = [entry for entry in bucket.entries if entry.expires_at <= now]
-        if valid or expired:
-            kept = [entry for entry in bucket.entries if entry.expires_at > now] + valid
-            self._replace(bucket, kept[-self._max_per_context :])
-        while self._mirrored_bytes > self._max_mirrored_bytes and len(self._buckets) > 1:
-            _, oldest = self._buckets.popitem(last=False)
-            self._mirrored -= len(oldest.entries)
-            self._mirrored_bytes -= sum(entry_bytes(entry) for entry in oldest.entries)
+        live = [entry for entry in bucket.entries if entry.expires_at > now]
+        if self._buckets.get(context) is not bucket:
+            # Evicted while the log answered (other searches ran meanwhile): this search
+            # still sees everything, the mirror keeps nothing of it.
+            return _Bucket(cursor, (live + valid)[-self._max_per_context :])
+        bucket.cursor = cursor
+        if valid or len(live) < len(bucket.entries):
+            self._replace(context, bucket, (live + valid)[-self._max_per_context :])
+        self._evict(keep=context)
         return bucket
 
-    def _replace(self, bucket: _Bucket, entries: list[SemanticEntry]) -> None:
+    def _evict(self, keep: str) -> None:
+        """Over the byte bound: empty contexts first, oldest first, then the least recently
+        searched; never `keep`, the context being searched."""
+        while self._mirrored_bytes > self._max_mirrored_bytes:
+            victim = next((c for c in self._empty if c != keep), None)
+            if victim is None:
+                victim = next((c for c in self._buckets if c != keep), None)
+            if victim is None:
+                return
+            dropped = self._buckets.pop(victim)
+            self._empty.pop(victim, None)
+            self._mirrored -= len(dropped.entries)
+            self._mirrored_bytes -= _context_bytes(dropped.entries)
+
+    def _replace(self, context: str, bucket: _Bucket, entries: list[SemanticEntry]) -> None:
         self._mirrored += len(entries) - len(bucket.entries)
         self._mirrored_bytes += sum(entry_bytes(e) for e in entries) - sum(
             entry_bytes(e) for e in bucket.entries
         )
         bucket.entries, bucket.matrix = entries, None
+        if entries:
+            self._empty.pop(context, None)
+        elif context in self._buckets:
+            self._empty[context] = None
+            self._empty.move_to_end(context, last=False)  # emptied by expiry: first out
