@@ -266,3 +266,172 @@ async def _until_async(predicate: Callable[[], Awaitable[bool]], within_s: float
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+# --- a hostile endpoint ---------------------------------------------------------------------
+
+_GOOD_METRICS = (
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n'
+)
+MIB = 1024 * 1024
+
+
+async def _serve(
+    routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]],
+) -> TestServer:
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    server = TestServer(app)
+    await server.start_server()
+    return server
+
+
+async def test_a_redirect_is_a_failed_scrape_and_is_not_followed() -> None:
+    """A pod answering /metrics with a redirect (to the metadata service, another pod, a
+    page that reports a huge cache) gets no reading; the target is never asked."""
+    followed: list[str] = []
+
+    async def redirect(_request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound("/elsewhere")
+
+    async def elsewhere(request: web.Request) -> web.StreamResponse:
+        followed.append(request.path)
+        return web.Response(text=_GOOD_METRICS)
+
+    server = await _serve({"/metrics": redirect, "/elsewhere": elsewhere})
+    monitor = CapacityMonitor(metrics_url(server))
+    try:
+        assert not await monitor.poll_once()
+        assert monitor.last_error is not None and "HTTP 302" in monitor.last_error
+        assert "redirects are not followed" in monitor.last_error
+        assert followed == [] and monitor.latest() is None
+    finally:
+        await monitor.stop()
+        await server.close()
+
+
+async def test_a_50_mib_body_fails_the_scrape_without_being_read() -> None:
+    """Valid metrics followed by 50 MiB of comment lines, streamed without a length: the
+    scrape stops reading past max_body_bytes instead of buffering it all."""
+    sent = 0
+    line = b"# " + b"x" * 1021 + b"\n"
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        await resp.write(_GOOD_METRICS.encode())
+        chunk = line * 64  # 64 KiB
+        try:
+            while sent < 50 * MIB:
+                await resp.write(chunk)
+                sent += len(chunk)
+        except (ConnectionResetError, ConnectionError):
+            return resp  # the client hung up: what was sent so far is the measure
+        await resp.write_eof()
+        return resp
+
+    server = await _serve({"/metrics": huge})
+    monitor = CapacityMonitor(metrics_url(server), max_body_bytes=4 * MIB, timeout_s=10)
+    try:
+        assert not await monitor.poll_once()
+        assert monitor.last_error is not None and "max_body_bytes" in monitor.last_error
+        await asyncio.sleep(0.2)  # let the server notice the closed connection
+        assert sent < 20 * MIB, sent  # 4 MiB read, the rest at most socket buffers
+    finally:
+        await monitor.stop()
+        await server.close()
+
+
+async def test_a_declared_body_over_the_bound_fails_before_it_is_read() -> None:
+    async def declared(_request: web.Request) -> web.StreamResponse:
+        return web.Response(body=_GOOD_METRICS.encode() + b"#" * (50 * MIB))
+
+    server = await _serve({"/metrics": declared})
+    monitor = CapacityMonitor(metrics_url(server), max_body_bytes=4 * MIB, timeout_s=10)
+    try:
+        assert not await monitor.poll_once()
+        assert monitor.last_error is not None
+        assert f"body of {len(_GOOD_METRICS) + 50 * MIB} bytes" in monitor.last_error
+    finally:
+        await monitor.stop()
+        await server.close()
+
+
+async def test_a_body_within_the_bound_is_read() -> None:
+    async def padded(_request: web.Request) -> web.StreamResponse:
+        return web.Response(text=_GOOD_METRICS + "# padding\n" * 6000)  # about 60 KiB
+
+    server = await _serve({"/metrics": padded})
+    monitor = CapacityMonitor(metrics_url(server), max_body_bytes=64 * 1024)
+    try:
+        assert await monitor.poll_once()
+        reading = monitor.latest()
+        assert reading is not None and reading.kv_capacity_tokens == 1600
+    finally:
+        await monitor.stop()
+        await server.close()
+
+
+async def test_a_body_that_never_finishes_is_cut_at_the_timeout() -> None:
+    """Headers and a trickle of valid lines, then nothing, forever: the scrape as a whole is
+    bounded by timeout_s, not each read."""
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        await resp.write(_GOOD_METRICS.encode())
+        while True:  # a byte every 50 ms keeps any per-read timeout from firing
+            await resp.write(b"#\n")
+            await asyncio.sleep(0.05)
+
+    server = await _serve({"/metrics": endless})
+    monitor = CapacityMonitor(metrics_url(server), timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        assert not await monitor.poll_once()
+        assert time.monotonic() - started < 1.5
+        assert monitor.last_error == "timed out after 0.5s"
+    finally:
+        await monitor.stop()
+        await server.close()
+
+
+async def test_the_scrape_asks_for_an_uncompressed_body_and_refuses_a_compressed_one() -> None:
+    """A gzip body's size says nothing about what it inflates to (a few KiB can be GiBs)."""
+    asked: list[str] = []
+
+    async def gzipped(request: web.Request) -> web.StreamResponse:
+        asked.append(request.headers.get("Accept-Encoding", ""))
+        resp = web.Response(text=_GOOD_METRICS)
+        resp.enable_compression(web.ContentCoding.gzip)
+        return resp
+
+    server = await _serve({"/metrics": gzipped})
+    monitor = CapacityMonitor(metrics_url(server))
+    try:
+        assert not await monitor.poll_once()
+        assert asked == ["identity"]
+        assert monitor.last_error is not None and "'gzip'-encoded body" in monitor.last_error
+    finally:
+        await monitor.stop()
+        await server.close()
+
+
+async def test_every_good_reading_reaches_the_observer_once() -> None:
+    async def good(_request: web.Request) -> web.StreamResponse:
+        return web.Response(text=_GOOD_METRICS)
+
+    seen: list[int | None] = []
+    server = await _serve({"/metrics": good})
+    monitor = CapacityMonitor(
+        metrics_url(server), on_reading=lambda reading: seen.append(reading.kv_capacity_tokens)
+    )
+    try:
+        assert await monitor.poll_once() and await monitor.poll_once()
+        assert seen == [1600, 1600]
+    finally:
+        await monitor.stop()
+        await server.close()

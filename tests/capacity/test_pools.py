@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import pytest
 from aiohttp import web
 
 from kvgate.capacity.pools import PoolRegistry
-from kvgate.config import hash_api_key, parse_config
+from kvgate.capacity.registry import CapacityRegistry
+from kvgate.config import ConfigError, hash_api_key, parse_config
+from kvgate.config.model import DEFAULT_MAX_AUTO_KV_BUDGET_TOKENS
+from kvgate.metrics import Metrics
+from kvgate.policy import BackendLimits
 
 _METRICS = """\
 # TYPE vllm:cache_config_info gauge
@@ -160,3 +165,127 @@ async def test_a_pool_whose_checks_all_fail_degrades_instead_of_halting() -> Non
         )
     finally:
         await registry.close()
+
+
+# --- an endpoint's own claim of its KV cache ----------------------------------------------
+
+# 10^9 blocks of 16 tokens: 16 G tokens of "KV cache", what a rogue pod can simply print.
+_HUGE_METRICS = _METRICS.replace('num_gpu_blocks="100"', 'num_gpu_blocks="1000000000"')
+
+
+async def _metrics_server(text: str) -> tuple[web.AppRunner, int]:
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+def _capped(metrics: Metrics, key: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "kvgate_kv_budget_capped_reports_total", {"backend": key}
+    )
+    return value or 0.0
+
+
+async def test_a_huge_reported_kv_cache_is_capped_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    honest, honest_port = await _metrics_server(_METRICS)
+    rogue, rogue_port = await _metrics_server(_HUGE_METRICS)
+    metrics = Metrics()
+    registry = PoolRegistry(metrics=metrics)
+    rogue_key = f"pool/127.0.0.1:{rogue_port}"
+    backend = {
+        "kv_budget_tokens": "auto",
+        "max_auto_kv_budget_tokens": 8000,
+        "endpoints": [f"127.0.0.1:{honest_port}", f"127.0.0.1:{rogue_port}"],
+        "discovery": {"metrics_url": "http://{endpoint}/metrics", "interval_s": 60},
+    }
+    caplog.set_level(logging.WARNING, logger="kvgate.pools")
+    try:
+        await registry.sync(_config(backend))  # type: ignore[arg-type]
+        for _ in range(3):  # views are per request: they neither count nor log
+            budgets = {e.key: e.limits.kv_budget_tokens for e in registry.view("pool").pickable}
+        assert budgets == {f"pool/127.0.0.1:{honest_port}": 1600, rogue_key: 8000}
+        assert _capped(metrics, rogue_key) == 1
+        assert _capped(metrics, f"pool/127.0.0.1:{honest_port}") == 0
+        monitor = registry._pools["pool"].monitors[f"127.0.0.1:{rogue_port}"]
+        assert await monitor.poll_once()  # every scrape of a capped claim counts ...
+        assert _capped(metrics, rogue_key) == 2
+        warnings = [r for r in caplog.records if "max_auto_kv_budget_tokens" in r.getMessage()]
+        assert len(warnings) == 1  # ... and is logged once
+        assert "16000000000" in warnings[0].getMessage()
+
+        # A lower cap applies on reload, to the budget already read, without a restart.
+        await registry.sync(_config({**backend, "max_auto_kv_budget_tokens": 4000}))  # type: ignore[arg-type]
+        budgets = {e.key: e.limits.kv_budget_tokens for e in registry.view("pool").pickable}
+        assert budgets[rogue_key] == 4000
+        assert registry._pools["pool"].monitors[f"127.0.0.1:{rogue_port}"] is monitor
+    finally:
+        await registry.close()
+        await honest.cleanup()
+        await rogue.cleanup()
+
+
+async def test_a_single_backends_auto_budget_is_capped_too() -> None:
+    rogue, port = await _metrics_server(_HUGE_METRICS)
+    metrics = Metrics()
+    registry = CapacityRegistry(metrics=metrics)
+    config = parse_config(
+        {
+            "tenants": [{"name": "t", "api_key_sha256": hash_api_key("k")}],
+            "models": [
+                {
+                    "name": "m",
+                    "tokenizer": "unused",
+                    "max_context": 4096,
+                    "default_max_new_tokens": 16,
+                    "backend": "vllm",
+                }
+            ],
+            "backends": [
+                {
+                    "name": "vllm",
+                    "kv_budget_tokens": "auto",
+                    "discovery": {"metrics_url": f"http://127.0.0.1:{port}/metrics"},
+                }
+            ],
+        }
+    )
+    try:
+        await registry.sync(config)
+        limits = BackendLimits(
+            name="vllm", kv_budget_tokens=1, kv_block_size=16, max_concurrent_requests=8
+        )
+        effective = registry.effective_limits(limits, auto=True)
+        # The default cap: 4 Mi tokens, not the 16 G tokens the endpoint claims.
+        assert effective is not None
+        assert effective.kv_budget_tokens == DEFAULT_MAX_AUTO_KV_BUDGET_TOKENS
+        assert _capped(metrics, "vllm") == 1
+    finally:
+        await registry.close()
+        await rogue.cleanup()
+
+
+def test_the_cap_is_for_automatic_budgets_and_holds_a_block() -> None:
+    pool = {"endpoints": ["10.0.0.5:8000"]}
+    with pytest.raises(ConfigError, match="caps kv_budget_tokens: auto"):
+        _config({**pool, "kv_budget_tokens": 1024, "max_auto_kv_budget_tokens": 4096})
+    auto = {
+        **pool,
+        "kv_budget_tokens": "auto",
+        "discovery": {"metrics_url": "http://{endpoint}/metrics"},
+    }
+    with pytest.raises(ConfigError, match="at least one KV block"):
+        _config({**auto, "max_auto_kv_budget_tokens": 8})
+    with pytest.raises(ConfigError, match="greater than 0"):
+        _config({**auto, "max_auto_kv_budget_tokens": 0})
+    with pytest.raises(ConfigError, match="max_body_bytes"):
+        _config({**auto, "discovery": {"metrics_url": "http://{endpoint}/m", "max_body_bytes": 1}})
+    assert _config(auto).backends[0].max_auto_kv_budget_tokens == 4 * 1024 * 1024  # type: ignore[attr-defined]
