@@ -6,7 +6,11 @@ tracing call with one `is not None` check. A config that enables tracing without
 OpenTelemetry packages fails at start, naming the extra.
 
 Both spans join the request's trace through the W3C `traceparent`/`tracestate` headers Envoy
-passes to ext_proc (Envoy's own span when its tracing is on, or the client's). `kvgate.decision`
+passes to ext_proc (Envoy's own span when its tracing is on, or the client's). Whether they are
+kept is kvgate's own decision (`sample_ratio`, one random draw per request): the sampled flag
+of that traceparent may come straight from a client, which must not be able to switch on
+tracing for everything it sends (nor hide from it). `trust_parent_sampling` follows the flag
+instead. `kvgate.decision`
 covers the request body's arrival to kvgate's reply; `kvgate.settlement` covers settling the
 admitted request (charging it and the store write) and links to the decision. Attribute names
 follow the OpenTelemetry generative-AI semantic conventions where one exists (`gen_ai.*`), and
@@ -19,7 +23,8 @@ await, and a span is one `start_span` + `end` at the point the work is done.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping
+import random
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvgate.config.model import ConfigError, TracingConfig
@@ -85,7 +90,14 @@ def _otel_proto_shadowed(error: ImportError) -> bool:
 
 
 class Tracing:
-    def __init__(self, config: TracingConfig, *, exporter: SpanExporter | None = None) -> None:
+    def __init__(
+        self,
+        config: TracingConfig,
+        *,
+        exporter: SpanExporter | None = None,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
+        """`draw`: a uniform number in [0, 1) per traced request (the sampling decision)."""
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -107,9 +119,13 @@ class Tracing:
         resource = Resource.create(
             {"service.name": config.service_name, "service.version": version}
         )
-        # A trace parent's sampling decision (Envoy's, or the client's) is always followed;
-        # sample_ratio applies to traces kvgate starts itself.
+        # Spans follow their parent's sampled flag: the incoming one when it is trusted, else
+        # the flag extract() sets from kvgate's own draw. sample_ratio decides the traces
+        # kvgate starts itself.
         sampler = ParentBased(TraceIdRatioBased(config.sample_ratio))
+        self._sample_ratio = config.sample_ratio
+        self._trust_parent_sampling = config.trust_parent_sampling
+        self._draw = draw
         # kvgate's own provider, not the process-global one: nothing else in the process
         # (or another server in the same test process) is affected.
         self.provider = TracerProvider(resource=resource, sampler=sampler)
@@ -131,10 +147,29 @@ class Tracing:
     # ------------------------------------------------------------------ request side
 
     def extract(self, headers: Mapping[str, str]) -> Context | None:
-        """The trace parent named by the request's traceparent/tracestate, if any."""
+        """The trace parent named by the request's traceparent/tracestate, if any: its trace
+        and span ids, with kvgate's sampling decision in place of the incoming one unless
+        that is trusted."""
         if "traceparent" not in headers:
             return None
-        return self._propagator.extract(headers)
+        context = self._propagator.extract(headers)
+        if self._trust_parent_sampling:
+            return context
+        trace = self._trace
+        incoming = trace.get_current_span(context).get_span_context()
+        if not incoming.is_valid:
+            return None  # malformed: kvgate starts a trace of its own
+        # Not the trace id's bits (TraceIdRatioBased): the client chooses those too.
+        sampled = self._draw() < self._sample_ratio
+        flags = trace.TraceFlags(trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT)
+        own = trace.SpanContext(
+            incoming.trace_id,
+            incoming.span_id,
+            is_remote=True,
+            trace_flags=flags,
+            trace_state=incoming.trace_state,
+        )
+        return trace.set_span_in_context(trace.NonRecordingSpan(own))
 
     def decision(
         self,

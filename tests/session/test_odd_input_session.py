@@ -6,9 +6,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import get_current_span
 
+from kvgate.config.model import TracingConfig
+from kvgate.tracing import Tracing
 from tests.session.conftest import SessionRig, _rig, body_msg, headers_msg, make_config
 from tests.session.test_session import CHAT, error_of
+from tests.session.test_tracing_session import run_stream, traced_rig
 
 PRIORITY_HEADER = "kvgate-priority"
 
@@ -78,3 +83,77 @@ async def test_a_well_formed_class_the_key_may_not_use_is_a_400(
     assert status == 400
     assert body["error"]["param"] == PRIORITY_HEADER
     assert "may not use (allowed: -1, 0, 5)" in body["error"]["message"]
+
+
+# --------------------------------------------------------------------------- trace flags
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+
+
+def traceparent(flags: str) -> dict[str, str]:
+    return {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-{flags}"}
+
+
+async def test_a_clients_sampled_flag_does_not_switch_tracing_on() -> None:
+    exporter = InMemorySpanExporter()
+    async for rig in traced_rig(exporter, sample_ratio=0.0):
+        await run_stream(rig, traceparent("01"))
+    assert exporter.get_finished_spans() == ()
+
+
+async def test_a_clients_unsampled_flag_does_not_hide_from_tracing() -> None:
+    """The trace id and parent span are kept (the spans join the client's trace); only the
+    keep-or-drop decision is kvgate's."""
+    exporter = InMemorySpanExporter()
+    async for rig in traced_rig(exporter, sample_ratio=1.0):
+        await run_stream(rig, traceparent("00"))
+    spans = exporter.get_finished_spans()
+    assert {span.name for span in spans} == {"kvgate.decision", "kvgate.settlement"}
+    for span in spans:
+        assert span.context.trace_id == int(TRACE_ID, 16)
+        assert span.context.trace_flags.sampled
+        assert span.parent is not None and span.parent.span_id == int(CLIENT_SPAN, 16)
+
+
+@pytest.mark.parametrize(("flags", "ratio", "kept"), [("01", 0.0, True), ("00", 1.0, False)])
+async def test_trusted_parent_sampling_follows_the_flag(
+    flags: str, ratio: float, kept: bool
+) -> None:
+    exporter = InMemorySpanExporter()
+    async for rig in traced_rig(exporter, sample_ratio=ratio, trust_parent_sampling=True):
+        await run_stream(rig, traceparent(flags))
+    assert len(exporter.get_finished_spans()) == (2 if kept else 0)
+
+
+@pytest.mark.parametrize(
+    "value", ["garbage", f"00-{'0' * 32}-{CLIENT_SPAN}-01", f"00-{TRACE_ID}-{'0' * 16}-01", ""]
+)
+async def test_a_malformed_traceparent_starts_kvgates_own_trace(value: str) -> None:
+    exporter = InMemorySpanExporter()
+    async for rig in traced_rig(exporter):
+        await run_stream(rig, {"traceparent": value})
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 2
+    assert len({span.context.trace_id for span in spans}) == 1
+    assert all(span.context.trace_id != int(TRACE_ID, 16) for span in spans)
+
+
+@pytest.mark.parametrize(("draw", "sampled"), [(0.24, True), (0.26, False)])
+def test_kvgates_own_draw_decides_whatever_the_trace_id(draw: float, sampled: bool) -> None:
+    """A trace id whose low bits TraceIdRatioBased would always keep does not help either."""
+    tracing = Tracing(
+        TracingConfig(enabled=True, sample_ratio=0.25),
+        exporter=InMemorySpanExporter(),
+        draw=lambda: draw,
+    )
+    try:
+        for trace_id in (TRACE_ID, "0" * 31 + "1", "f" * 32):
+            parent = tracing.extract({"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+            assert parent is not None
+            span = get_current_span(parent).get_span_context()
+            assert span.trace_id == int(trace_id, 16)
+            assert span.span_id == int(CLIENT_SPAN, 16)
+            assert span.trace_flags.sampled is sampled
+    finally:
+        tracing.shutdown()

@@ -288,16 +288,20 @@ async def test_settling_twice_records_the_duplicate(traced: Traced) -> None:
 
 
 @pytest.mark.parametrize(
-    ("ratio", "traceparent", "recorded"),
+    ("ratio", "traceparent", "trusted", "recorded"),
     [
-        (0.0, None, False),  # kvgate's own traces: sampled by the ratio
-        (1.0, None, True),
-        (0.0, TRACEPARENT, True),  # a sampled parent is always followed
-        (1.0, f"00-{TRACE_ID}-{PARENT_ID}-00", False),  # and so is an unsampled one
+        (0.0, None, False, False),  # kvgate's own traces: sampled by the ratio
+        (1.0, None, False, True),
+        (0.0, TRACEPARENT, False, False),  # a parent's flag is a client's say: the ratio decides
+        (1.0, f"00-{TRACE_ID}-{PARENT_ID}-00", False, True),
+        (0.0, TRACEPARENT, True, True),  # trust_parent_sampling: the flag is followed
+        (1.0, f"00-{TRACE_ID}-{PARENT_ID}-00", True, False),
     ],
 )
-async def test_sampling(ratio: float, traceparent: str | None, recorded: bool) -> None:
-    async for traced in traced_lifecycle(sample_ratio=ratio):
+async def test_sampling(
+    ratio: float, traceparent: str | None, trusted: bool, recorded: bool
+) -> None:
+    async for traced in traced_lifecycle(sample_ratio=ratio, trust_parent_sampling=trusted):
         ticket = await traced.admit()
         traced.decide(ticket, {"traceparent": traceparent} if traceparent else {})
         await traced.settle(ticket, ActualUsage(ticket.prompt_tokens, 1))

@@ -578,6 +578,10 @@ class TracingConfig(_Strict):
     # The fraction of requests whose spans are kept. A request's incoming traceparent still
     # names the trace its spans join, but its sampled flag is a client's say: kvgate decides.
     sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    # Follow the sampled flag of the incoming traceparent instead (sample_ratio then applies
+    # only to traces kvgate starts): for a deployment where whatever sets it is trusted, e.g.
+    # Envoy's own tracing overwriting what clients send.
+    trust_parent_sampling: bool = False
     # Put the tenant's name on the spans (`kvgate.tenant`): off, as a tracing backend is often
     # shared more widely than kvgate's metrics.
     tenant_attribute: bool = False
@@ -675,10 +679,6 @@ class IdempotencyConfig(_Strict):
     # How long a completed answer is replayed for a duplicate.
     retention_s: float = Field(default=86_400.0, gt=0)
     # How long a duplicate waits for the first request still running (then 409 + Retry-After);
-    # Follow the sampled flag of the incoming traceparent instead (sample_ratio then applies
-    # only to traces kvgate starts): for a deployment where whatever sets it is trusted, e.g.
-    # Envoy's own tracing overwriting what clients send.
-    trust_parent_sampling: bool = False
     # like a pool queue's wait, within server.envoy_max_message_timeout_s.
     max_wait_s: float = Field(default=10.0, gt=0, le=3600)
     # An answer larger than this is not kept: a duplicate after completion gets 409.
