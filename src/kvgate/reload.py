@@ -81,6 +81,7 @@ FIELD_CLASSES: dict[str, str] = {
     "tracing.otlp_endpoint": RESTART,
     "tracing.service_name": RESTART,
     "tracing.sample_ratio": RESTART,
+    "tracing.trust_parent_sampling": RESTART,
     "tracing.tenant_attribute": RESTART,
     # Tenants, models and backends are compiled into the snapshot; rate buckets resize to
     # new specs, backend ledgers take new limits for new work.

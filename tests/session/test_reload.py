@@ -214,6 +214,7 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "tracing.otlp_endpoint": {"tracing.otlp_endpoint": "http://127.0.0.1:4317"},
     "tracing.service_name": {"tracing.service_name": "gateway-b"},
     "tracing.sample_ratio": {"tracing.sample_ratio": 0.5},
+    "tracing.trust_parent_sampling": {"tracing.trust_parent_sampling": True},
     "tracing.tenant_attribute": {"tracing.tenant_attribute": True},
     # Operator TLS (the files are not read: the refusal comes first).
     "server.operator_https_listen": {
