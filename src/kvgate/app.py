@@ -16,13 +16,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvgate.admin.auth import (
+    ADMIN_METHOD_PREFIX,
     HTTPS_LISTEN_FIELD,
     OperatorAuth,
     OperatorAuthInterceptor,
     load_operator_tokens,
 )
+from kvgate.admin.identity import (
+    CertificateIdentityInterceptor,
+    https_identity_middleware,
+    identity_gate,
+)
 from kvgate.admin.service import AdminService
-from kvgate.admin.tls import OperatorTls
+from kvgate.admin.tls import GrpcTls, OperatorTls
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.cache.answers import (
     AnswerStore,
@@ -42,7 +48,7 @@ from kvgate.lifecycle.scheduler import PoolScheduler
 from kvgate.lifecycle.semantic_cache import SemanticCache, build_semantic_cache
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
-from kvgate.metrics.definitions import CountingCollector
+from kvgate.metrics.definitions import CountingCollector, TokenFileCollector
 from kvgate.metrics.http import create_http_app, create_operator_app
 from kvgate.policy import ActualUsage, MonotonicClock, Reservation
 from kvgate.reload import ConfigReloader
@@ -59,6 +65,8 @@ from kvgate.tracing import build_tracing
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
+
+    from kvgate.config.model import ServerConfig
 
 log = logging.getLogger("kvgate")
 
@@ -107,6 +115,7 @@ class KvgateServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         # Secrets first: a missing token or password stops the start with the field's name.
         self.operator_auth = OperatorAuth(load_operator_tokens(config.server))
+        self.metrics.registry.register(TokenFileCollector(self.operator_auth))
         # None when tracing is off; enabled without the `otel` extra: ConfigError naming it.
         # span_exporter replaces the OTLP exporter (tests).
         self.tracing = build_tracing(config.tracing, exporter=span_exporter)
@@ -297,6 +306,8 @@ class KvgateServer:
         self.operator_tls = (
             OperatorTls(server_cfg.operator_tls) if server_cfg.operator_tls else None
         )
+        # ext_proc mutual TLS: Envoy's certificate (and identity) before any stream opens.
+        grpc_tls = GrpcTls(server_cfg.grpc_tls) if server_cfg.grpc_tls else None
         self.operator_https_port = 0
         if self.operator_tls is not None:
             https = [HTTPS_LISTEN_FIELD] if server_cfg.operator_https_listen else []
@@ -313,7 +324,21 @@ class KvgateServer:
             ("grpc.max_send_message_length", server_cfg.grpc_max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self._grpc = grpc.aio.server(options=options)
+
+        def current_server() -> ServerConfig:  # the allow-lists follow reloads
+            return self.snapshots.current.config.server
+
+        self._grpc = grpc.aio.server(
+            options=options,
+            interceptors=[
+                CertificateIdentityInterceptor(
+                    identity_gate("grpc", "grpc_tls", current_server, self.metrics),
+                    [f"/{EXTPROC_SERVICE}/"],
+                )
+            ]
+            if grpc_tls is not None
+            else None,
+        )
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.services), self._grpc
         )
@@ -332,7 +357,11 @@ class KvgateServer:
             await self._set_store_health(await self.store.check())
         else:
             self.metrics.store_up.set(1)  # the memory store is always there
-        self.grpc_port = self._grpc.add_insecure_port(server_cfg.grpc_listen)
+        self.grpc_port = (
+            self._grpc.add_secure_port(server_cfg.grpc_listen, grpc_tls.grpc_credentials())
+            if grpc_tls is not None
+            else self._grpc.add_insecure_port(server_cfg.grpc_listen)
+        )
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {server_cfg.grpc_listen} (gRPC)")
         await self._grpc.start()
@@ -356,16 +385,19 @@ class KvgateServer:
         if self.operator_tls is not None and server_cfg.operator_https_listen is not None:
             # /admin/usage over HTTPS on its own port; the probes and Prometheus keep plain
             # HTTP on http_listen. Cleaning up the HTTP runner (stop()) stops it too.
-            operator_https = web.AppRunner(
-                create_operator_app(
-                    self._all_tenants_usage,
-                    self.operator_auth.for_listener(
-                        server_cfg.operator_https_listen, HTTPS_LISTEN_FIELD
-                    ),
-                    require_client_cert=self.operator_tls.client_certs_required,
+            operator_app = create_operator_app(
+                self._all_tenants_usage,
+                self.operator_auth.for_listener(
+                    server_cfg.operator_https_listen, HTTPS_LISTEN_FIELD
                 ),
-                access_log=None,
+                require_client_cert=self.operator_tls.client_certs_required,
             )
+            operator_app.middlewares.append(
+                https_identity_middleware(
+                    identity_gate("operator_https", "operator_tls", current_server, self.metrics)
+                )
+            )
+            operator_https = web.AppRunner(operator_app, access_log=None)
 
             async def stop_operator_https(_: web.Application) -> None:
                 await operator_https.cleanup()
@@ -442,7 +474,17 @@ class KvgateServer:
             interceptors=[
                 OperatorAuthInterceptor(
                     self.operator_auth.for_listener(admin_listen, "server.admin_listen")
-                )
+                ),
+                # After the token check: the certificate must also be on the allow-list.
+                CertificateIdentityInterceptor(
+                    identity_gate(
+                        "admin",
+                        "operator_tls",
+                        lambda: self.snapshots.current.config.server,  # follows reloads
+                        self.metrics,
+                    ),
+                    [ADMIN_METHOD_PREFIX],
+                ),
             ],
         )
         admin_pb2_grpc.add_AdminServicer_to_server(

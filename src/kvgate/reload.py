@@ -57,6 +57,18 @@ FIELD_CLASSES: dict[str, str] = {
     "server.operator_tls.cert_file": RESTART,
     "server.operator_tls.key_file": RESTART,
     "server.operator_tls.client_ca_file": RESTART,
+    # Who may connect, read from the current snapshot at every call or stream: a reload
+    # revokes (or admits) an identity without a restart.
+    "server.operator_tls.allowed_clients.uri_sans": RELOAD,
+    "server.operator_tls.allowed_clients.dns_sans": RELOAD,
+    "server.operator_tls.allowed_clients.common_names": RELOAD,
+    # ext_proc mutual TLS: the listener is built at start, the files re-read when they change.
+    "server.grpc_tls.cert_file": RESTART,
+    "server.grpc_tls.key_file": RESTART,
+    "server.grpc_tls.client_ca_file": RESTART,
+    "server.grpc_tls.allowed_clients.uri_sans": RELOAD,
+    "server.grpc_tls.allowed_clients.dns_sans": RELOAD,
+    "server.grpc_tls.allowed_clients.common_names": RELOAD,
     "store": RESTART,  # the store is built once
     "redis.key_prefix": RESTART,
     "redis.timeout_s": RESTART,

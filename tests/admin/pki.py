@@ -62,16 +62,19 @@ class Pki:
         )
         return name
 
-    def leaf(self, name: str, ca: str, *, server: bool) -> str:
-        """A certificate signed by `ca`: for a server (SAN 127.0.0.1, localhost) or a client."""
+    def leaf(self, name: str, ca: str, *, server: bool, sans: str | None = None) -> str:
+        """A certificate signed by `ca` with subject CN=`name`: for a server (SAN 127.0.0.1,
+        localhost, or `sans`) or a client (no SAN, or `sans`, e.g. "URI:spiffe://...,DNS:x")."""
         csr = self.dir / f"{name}.csr"
         self._openssl("req", *self._new_key_args(name), "-out", str(csr))
         extensions = self.dir / f"{name}.ext"
         lines = ["basicConstraints=CA:FALSE"]
         if server:
-            lines += ["extendedKeyUsage=serverAuth", f"subjectAltName={SERVER_SAN}"]
+            lines += ["extendedKeyUsage=serverAuth", f"subjectAltName={sans or SERVER_SAN}"]
         else:
             lines += ["extendedKeyUsage=clientAuth"]
+            if sans:
+                lines.append(f"subjectAltName={sans}")
         extensions.write_text("\n".join(lines) + "\n")
         self._openssl(
             "x509",

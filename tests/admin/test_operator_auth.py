@@ -285,12 +285,13 @@ async def test_token_guards_http_and_grpc_and_the_cli_sends_it(
         status, _, _ = await get(http, f"{base}/admin/usage", token=OTHER)
         assert status == 200
         assert await admin_call(admin, OTHER) == grpc.StatusCode.OK
-        # A broken replacement keeps the last good token (and says so, without the value).
+        # A broken replacement revokes: the last token is refused too (and the log says
+        # so, without the value); tests/admin/test_token_revocation.py has the rest.
         broken = tmp_path / "admin-token.broken"
         broken.write_text("\n")
         os.replace(broken, token_file)
-        status, _, _ = await get(http, f"{base}/admin/usage", token=OTHER)
-        assert status == 200
+        status, _, body = await get(http, f"{base}/admin/usage", token=OTHER)
+        assert status == 401 and body["error"]["code"] == "operator_token_file_unusable"
         assert "cannot be used" in caplog.text
     finally:
         await kvgate.stop()

@@ -234,6 +234,27 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
             "client_ca_file": "/tls/ca.crt",
         }
     },
+    "server.grpc_tls.cert_file": {
+        "server.grpc_tls": {
+            "cert_file": "/tls/tls.crt",
+            "key_file": "/tls/tls.key",
+            "client_ca_file": "/tls/ca.crt",
+        }
+    },
+    "server.grpc_tls.key_file": {
+        "server.grpc_tls": {
+            "cert_file": "/tls/tls.crt",
+            "key_file": "/tls/tls.key",
+            "client_ca_file": "/tls/ca.crt",
+        }
+    },
+    "server.grpc_tls.client_ca_file": {
+        "server.grpc_tls": {
+            "cert_file": "/tls/tls.crt",
+            "key_file": "/tls/tls.key",
+            "client_ca_file": "/tls/ca.crt",
+        }
+    },
 }
 
 

@@ -12,7 +12,12 @@
   listeners (server.admin_listen, server.operator_https_listen); /admin/usage on the plain
   HTTP port answers 403. With a client CA (mutual TLS) the verified client certificate
   authenticates the caller like a loopback listener: no token needed on any address. A token,
-  if configured, is required as well (both, never either).
+  if configured, is required as well (both, never either). `allowed_clients` narrows which of
+  the CA's certificates pass (kvgate.admin.identity).
+- A token file that goes missing or becomes unusable (unreadable, empty, malformed) revokes:
+  every operator token is refused (401, code operator_token_file_unusable) until the file
+  holds a valid token again, with a warning logged and kvgate_operator_token_file_valid 0.
+  Failing closed is the point: deleting the Secret must not leave the old token working.
 
 /metrics, /healthz, /readyz, the gRPC health service and server reflection (the API's schema,
 public in protos/) stay open.
@@ -71,15 +76,16 @@ def _valid_token(value: str, field: str) -> str:
 
 class _TokenFile:
     """A token file, re-read when it changes (a rotated Kubernetes Secret swaps the file
-    behind a symlink): checked with one stat() per operator call, which are rare."""
+    behind a symlink): checked with one stat() per operator call, which are rare. Missing or
+    unusable, it holds no token (None) until a valid one is back: the old token is revoked."""
 
     FIELD = "server.admin_token_file"
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._fingerprint = self._stat()
-        self.value = _valid_token(read_secret_file(path, self.FIELD), self.FIELD)
-        self._warned: tuple[int, int, int] | None = None
+        # At start (and on reload) an unusable file is a ConfigError: nothing starts with it.
+        self.value: str | None = _valid_token(read_secret_file(path, self.FIELD), self.FIELD)
 
     def _stat(self) -> tuple[int, int, int] | None:
         try:
@@ -88,23 +94,33 @@ class _TokenFile:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def current(self) -> str:
+    def current(self) -> str | None:
+        """The valid token, or None while the file is missing or unusable."""
         fingerprint = self._stat()
-        if fingerprint is None or fingerprint == self._fingerprint:
-            return self.value  # gone for a moment (a swap in progress): keep the last token
+        if fingerprint == self._fingerprint:
+            return self.value
+        # Changed or gone. A Secret volume swaps its files with one rename, so a missing file
+        # is a deleted Secret (or a broken mount), never a rotation in progress.
+        self._fingerprint = fingerprint
         try:
+            if fingerprint is None:
+                raise ConfigError(f"{self.FIELD}: {self.path} does not exist")
             value = _valid_token(read_secret_file(self.path, self.FIELD), self.FIELD)
         except ConfigError as exc:
-            if self._warned != fingerprint:
-                self._warned = fingerprint
-                log.warning(
-                    "the operator token file changed but cannot be used; the previous token "
-                    "stays valid",
-                    extra={"error": str(exc)},
-                )
-            return self.value
-        self._fingerprint, self.value = fingerprint, value
-        log.info("operator token file re-read", extra={"path": self.path})
+            log.warning(
+                "the operator token file is missing or cannot be used: every operator token "
+                "is refused until it holds a valid token again",
+                extra={"error": str(exc)},
+            )
+            self.value = None
+            return None
+        log.info(
+            "operator token file re-read"
+            if self.value is not None
+            else "operator token file valid again: operator tokens accepted",
+            extra={"path": self.path},
+        )
+        self.value = value
         return value
 
 
@@ -117,11 +133,19 @@ class OperatorTokens:
     def configured(self) -> bool:
         return self.env_token is not None or self.file is not None
 
-    def current(self) -> list[str]:
+    def current(self) -> list[str] | None:
+        """The tokens that are valid now; None while the token file revokes them all."""
         tokens = [self.env_token] if self.env_token is not None else []
         if self.file is not None:
-            tokens.append(self.file.current())
+            file_token = self.file.current()
+            if file_token is None:
+                return None
+            tokens.append(file_token)
         return tokens
+
+    def file_valid(self) -> bool | None:
+        """Whether the token file holds a valid token now; None without a token file."""
+        return None if self.file is None else self.file.current() is not None
 
 
 def load_operator_tokens(server: ServerConfig) -> OperatorTokens:
@@ -168,6 +192,10 @@ class OperatorAuth:
     def replace(self, tokens: OperatorTokens) -> None:
         self._tokens = tokens
 
+    def token_file_valid(self) -> bool | None:
+        """For kvgate_operator_token_file_valid (read at every scrape)."""
+        return self._tokens.file_valid()
+
     def check(
         self, authorization: str | None, *, listen: str, listen_field: str
     ) -> ApiError | None:
@@ -187,6 +215,13 @@ class OperatorAuth:
                 "operator_endpoint_requires_tls",
             )
         tokens = self._tokens.current()
+        if tokens is None:
+            return _error(
+                401,
+                "The operator token file (server.admin_token_file) is missing or holds no "
+                "valid token: every operator token is refused until it is restored.",
+                "operator_token_file_unusable",
+            )
         if tokens:
             scheme, _, given = (authorization or "").strip().partition(" ")
             given = given.strip()

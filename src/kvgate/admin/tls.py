@@ -1,5 +1,6 @@
 """TLS for kvgate's operator listeners (`server.operator_tls`): the admin gRPC API on
-`server.admin_listen` and `GET /admin/usage` on `server.operator_https_listen`.
+`server.admin_listen` and `GET /admin/usage` on `server.operator_https_listen`; and mutual TLS
+for the ext_proc listener (`server.grpc_tls`, Envoy's side of the hop).
 
 The certificate, its key and the client CA are PEM files, typically a cert-manager Secret
 volume (tls.crt, tls.key, ca.crt). They are checked with one stat() per new connection and read
@@ -7,7 +8,8 @@ again when they change, so a renewed certificate (or CA) is served without a res
 reload; a replacement that cannot be used (half written, a key that does not match) keeps the
 last good one and logs a warning. With `client_ca_file`, every client must present a
 certificate signed by that CA (mutual TLS), or the handshake fails before any request is read.
-Only that CA is trusted for client certificates, never the system's.
+Only that CA is trusted for client certificates, never the system's. Which of the CA's
+certificates are accepted (`allowed_clients`) is kvgate.admin.identity's concern.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from typing import Any
 
 import grpc
 
-from kvgate.config.model import ConfigError, OperatorTlsConfig
+from kvgate.config.model import ConfigError, GrpcTlsConfig, OperatorTlsConfig
 
 log = logging.getLogger("kvgate.admin.tls")
 
 FIELD = "server.operator_tls"
+GRPC_FIELD = "server.grpc_tls"
+ListenerTlsConfig = OperatorTlsConfig | GrpcTlsConfig
 
 
 @dataclass(frozen=True)
@@ -66,22 +70,23 @@ def _read_pem(path: str, field: str, kind: str) -> bytes:
     return data
 
 
-def _no_password() -> str:
-    # Never let OpenSSL prompt on a terminal for a key's password.
-    raise ConfigError(f"{FIELD}.key_file: the key is encrypted; kvgate needs it unencrypted")
+def _server_context(
+    config: ListenerTlsConfig, client_ca: bytes | None, field: str
+) -> ssl.SSLContext:
+    def no_password() -> str:
+        # Never let OpenSSL prompt on a terminal for a key's password.
+        raise ConfigError(f"{field}.key_file: the key is encrypted; kvgate needs it unencrypted")
 
-
-def _server_context(config: OperatorTlsConfig, client_ca: bytes | None) -> ssl.SSLContext:
     # Not ssl.create_default_context(Purpose.CLIENT_AUTH): that trusts the system's CAs for
     # client certificates, i.e. any publicly issued certificate would be a way in.
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        context.load_cert_chain(config.cert_file, config.key_file, password=_no_password)
+        context.load_cert_chain(config.cert_file, config.key_file, password=no_password)
     except (ssl.SSLError, OSError) as exc:
         reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
         raise ConfigError(
-            f"{FIELD}.cert_file / key_file: {config.cert_file} and {config.key_file} are not a "
+            f"{field}.cert_file / key_file: {config.cert_file} and {config.key_file} are not a "
             f"certificate and its private key ({reason})"
         ) from None
     if client_ca is not None:
@@ -90,7 +95,7 @@ def _server_context(config: OperatorTlsConfig, client_ca: bytes | None) -> ssl.S
         except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
             reason = getattr(exc, "reason", None) or exc
             raise ConfigError(
-                f"{FIELD}.client_ca_file: {config.client_ca_file} holds no usable CA "
+                f"{field}.client_ca_file: {config.client_ca_file} holds no usable CA "
                 f"certificate ({reason})"
             ) from None
         context.verify_mode = ssl.CERT_REQUIRED
@@ -100,14 +105,16 @@ def _server_context(config: OperatorTlsConfig, client_ca: bytes | None) -> ssl.S
 Fingerprint = tuple[tuple[int, int, int], ...]
 
 
-class OperatorTls:
-    """The operator listeners' TLS credentials, re-read when the files change.
+class ListenerTls:
+    """A listener's TLS credentials, re-read when the files change.
 
     `grpc_credentials()` and `ssl_context()` are given to the listeners once, at start; both ask
-    `current()` at every new connection, so the files' current contents are served."""
+    `current()` at every new connection, so the files' current contents are served. `field`
+    names the config section in every error and log line."""
 
-    def __init__(self, config: OperatorTlsConfig) -> None:
+    def __init__(self, config: ListenerTlsConfig, field: str) -> None:
         self.config = config
+        self.field = field
         self._lock = threading.Lock()
         self._warned: Fingerprint | None = None
         self._fingerprint, self.material = self._load()  # ConfigError stops the start
@@ -139,16 +146,17 @@ class OperatorTls:
     def _load(self) -> tuple[Fingerprint, TlsMaterial]:
         before = self._stat()
         config = self.config
-        chain = _read_pem(config.cert_file, f"{FIELD}.cert_file", "certificate")
-        key = _read_pem(config.key_file, f"{FIELD}.key_file", "private key")
+        field = self.field
+        chain = _read_pem(config.cert_file, f"{field}.cert_file", "certificate")
+        key = _read_pem(config.key_file, f"{field}.key_file", "private key")
         ca = None
         if config.client_ca_file is not None:
-            ca = _read_pem(config.client_ca_file, f"{FIELD}.client_ca_file", "certificate")
-        context = _server_context(config, ca)
+            ca = _read_pem(config.client_ca_file, f"{field}.client_ca_file", "certificate")
+        context = _server_context(config, ca, field)
         after = self._stat()
         if before is None or after != before:
             # The bytes (for gRPC) and the context (read from the paths) must be one version.
-            raise ConfigError(f"{FIELD}: the files changed while being read")
+            raise ConfigError(f"{field}: the files changed while being read")
         return after, TlsMaterial(chain, key, ca, context)
 
     def current(self) -> TlsMaterial:
@@ -165,13 +173,14 @@ class OperatorTls:
                 if self._warned != fingerprint:
                     self._warned = fingerprint
                     log.warning(
-                        "the operator TLS files changed but cannot be used; the previous "
+                        f"the {self.field} files changed but cannot be used; the previous "
                         "certificate stays in use",
                         extra={"error": str(exc)},
                     )
                 return self.material
             self._fingerprint, self.material = loaded, material
-        log.info("operator TLS files re-read", extra={"cert_file": self.config.cert_file})
+        what = "operator TLS" if self.field == FIELD else self.field
+        log.info(f"{what} files re-read", extra={"cert_file": self.config.cert_file})
         return material
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
@@ -183,7 +192,7 @@ class OperatorTls:
             try:
                 material = self.current()
             except Exception:  # never break the handshake over a check
-                log.exception("checking the operator TLS files failed")
+                log.exception(f"checking the {self.field} files failed")
                 return None
             if material is served:
                 return None  # no change
@@ -207,7 +216,21 @@ class OperatorTls:
                 if ssl_object.context is not current:
                     ssl_object.context = current
             except Exception:
-                log.exception("checking the operator TLS files failed")
+                log.exception(f"checking the {self.field} files failed")
 
         first.sni_callback = swap
         return first
+
+
+class OperatorTls(ListenerTls):
+    """`server.operator_tls`: the admin gRPC API and the operator HTTPS listener."""
+
+    def __init__(self, config: OperatorTlsConfig) -> None:
+        super().__init__(config, FIELD)
+
+
+class GrpcTls(ListenerTls):
+    """`server.grpc_tls`: the ext_proc listener, always mutual TLS."""
+
+    def __init__(self, config: GrpcTlsConfig) -> None:
+        super().__init__(config, GRPC_FIELD)

@@ -31,11 +31,70 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_URI_SAN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s]+$")
+_DNS_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_SAN = re.compile(rf"^(?=.{{1,253}}$){_DNS_LABEL}(\.{_DNS_LABEL})*$")
+
+
+class ClientIdentitiesConfig(_Strict):
+    """Which verified client certificates a mutual TLS listener accepts: one whose URI SAN
+    (a SPIFFE ID), DNS SAN or subject common name is listed (any one match suffices). Exact
+    matches; DNS names ignore case. Without this list any certificate the client CA signed
+    is accepted."""
+
+    uri_sans: list[str] = Field(
+        default_factory=list, description="URI SANs, e.g. spiffe://cluster.local/ns/NS/sa/SA"
+    )
+    dns_sans: list[str] = Field(default_factory=list, description="DNS SANs, no wildcards")
+    common_names: list[str] = Field(default_factory=list, description="subject CNs")
+
+    @field_validator("uri_sans")
+    @classmethod
+    def _uris(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not _URI_SAN.match(value):
+                raise ValueError(f"{value!r} is not a URI (scheme:rest, no spaces)")
+        return _distinct_identities(values)
+
+    @field_validator("dns_sans")
+    @classmethod
+    def _dns_names(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not _DNS_SAN.match(value):
+                raise ValueError(f"{value!r} is not a DNS name (wildcards are not matched)")
+        return _distinct_identities([value.lower() for value in values])
+
+    @field_validator("common_names")
+    @classmethod
+    def _common_names(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not value or not value.isprintable():
+                raise ValueError(f"{value!r}: a common name is non-empty printable text")
+        return _distinct_identities(values)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ClientIdentitiesConfig:
+        if not (self.uri_sans or self.dns_sans or self.common_names):
+            raise ValueError(
+                "list at least one of uri_sans, dns_sans, common_names (or leave "
+                "allowed_clients out to accept any certificate the client CA signed)"
+            )
+        return self
+
+
+def _distinct_identities(values: list[str]) -> list[str]:
+    duplicates = sorted({v for v in values if values.count(v) > 1})
+    if duplicates:
+        raise ValueError(f"listed twice: {', '.join(duplicates)}")
+    return values
+
+
 class OperatorTlsConfig(_Strict):
     """TLS on the operator listeners (server.admin_listen, server.operator_https_listen): PEM
     files, e.g. a cert-manager Secret volume (tls.crt, tls.key, ca.crt), re-read whenever they
     change. With `client_ca_file`, clients must present a certificate that CA signed (mutual
-    TLS), and that certificate authenticates them."""
+    TLS), and that certificate authenticates them; `allowed_clients` narrows that to the
+    listed identities."""
 
     cert_file: str = Field(min_length=1, description="the server certificate (chain), PEM")
     key_file: str = Field(min_length=1, description="its private key, PEM, not encrypted")
@@ -44,6 +103,26 @@ class OperatorTlsConfig(_Strict):
         min_length=1,
         description="CA certificate(s), PEM, for client certificates: set, mutual TLS",
     )
+    allowed_clients: ClientIdentitiesConfig | None = None
+
+    @model_validator(mode="after")
+    def _allow_list_needs_client_ca(self) -> OperatorTlsConfig:
+        if self.allowed_clients is not None and self.client_ca_file is None:
+            raise ValueError("allowed_clients needs client_ca_file (mutual TLS)")
+        return self
+
+
+class GrpcTlsConfig(_Strict):
+    """Mutual TLS on the ext_proc listener (server.grpc_listen): Envoy must present a
+    certificate the client CA signed (and, with `allowed_clients`, one of the listed
+    identities) to open any stream. Same files and renewal as OperatorTlsConfig."""
+
+    cert_file: str = Field(min_length=1, description="the server certificate (chain), PEM")
+    key_file: str = Field(min_length=1, description="its private key, PEM, not encrypted")
+    client_ca_file: str = Field(
+        min_length=1, description="CA certificate(s), PEM, that signed Envoy's certificate"
+    )
+    allowed_clients: ClientIdentitiesConfig | None = None
 
 
 class ServerConfig(_Strict):
@@ -94,6 +173,10 @@ class ServerConfig(_Strict):
     # also set, is required as well.
     operator_tls: OperatorTlsConfig | None = None
     operator_https_listen: str | None = None
+    # Mutual TLS on the ext_proc listener: without it anyone who reaches grpc_listen can open
+    # streams (any route settings) and hold KV. The kubelet's gRPC probes have no client
+    # certificate: probe /readyz and /healthz on http_listen instead.
+    grpc_tls: GrpcTlsConfig | None = None
 
     @field_validator("grpc_listen", "http_listen", "admin_listen", "operator_https_listen")
     @classmethod

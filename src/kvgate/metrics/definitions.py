@@ -168,6 +168,15 @@ class Metrics:
             "How many configurations this process has applied (1 at start).",
             registry=r,
         )
+        # Mutual TLS listeners: certificates the client CA signed but `allowed_clients` does
+        # not list (listener: admin, operator_https, grpc).
+        self.client_certificates_refused = Counter(
+            "kvgate_client_certificates_refused",
+            "Calls, requests or ext_proc streams refused because the client certificate, "
+            "though signed by the trusted CA, is not in the listener's allowed_clients.",
+            ["listener"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             "kvgate_internal_errors",
             "Unexpected errors while handling a stream (each answered, none crashed kvgate).",
@@ -318,6 +327,31 @@ class Metrics:
             ["pool", "tenant", "reason"],
             registry=r,
         )
+
+
+class TokenFileSource(Protocol):
+    """What the token file collector reads at scrape time (kvgate.admin.auth.OperatorAuth)."""
+
+    def token_file_valid(self) -> bool | None: ...
+
+
+class TokenFileCollector(Collector):
+    """kvgate_operator_token_file_valid, read when scraped (so a deleted or broken file shows
+    even when no operator calls). No sample without server.admin_token_file."""
+
+    def __init__(self, source: TokenFileSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        valid = self._source.token_file_valid()
+        gauge = GaugeMetricFamily(
+            "kvgate_operator_token_file_valid",
+            "1 while server.admin_token_file holds a valid operator token, 0 while it is "
+            "missing or unusable (every operator token is then refused).",
+        )
+        if valid is not None:
+            gauge.add_metric([], 1 if valid else 0)
+        return [gauge]
 
 
 class CountingSource(Protocol):
