@@ -21,6 +21,8 @@ from aiohttp.test_utils import TestServer
 
 from kvgate.cache.embeddings import (
     Embedder,
+    EmbeddingBusy,
+    EmbeddingDeadlineExceeded,
     EmbeddingError,
     EmbeddingInputError,
     EmbeddingUnavailable,
@@ -29,6 +31,7 @@ from kvgate.cache.embeddings import (
     cosine,
     l2_normalise,
 )
+from kvgate.tokenize.service import THREAD_NAME_PREFIX
 from testbed.harness import embedding_sim, free_port
 from testbed.wordllama_reference import load_reference
 
@@ -121,7 +124,8 @@ async def test_wordllama_inline_or_on_its_thread() -> None:
     short = await embedder.embed([TEXTS[0]])
     long = await embedder.embed(TEXTS)
     assert threads[0] == threading.current_thread().name
-    assert threads[1].startswith("kvgate-embed")
+    # The tokenizer pool's fair scheduler runs it, on a thread of its own.
+    assert threads[1].startswith(THREAD_NAME_PREFIX) and threads[1] != threads[0]
     np.testing.assert_array_equal(short[0], long[0])
     await embedder.close()
 
@@ -367,3 +371,115 @@ async def test_client_is_usable_concurrently(sim_url: str) -> None:
     np.testing.assert_allclose(
         np.concatenate(results), await WordLlamaEmbedder().embed(TEXTS), atol=2e-6
     )
+
+
+# --- fairness between tenants, and every embedding's deadline -----------------------------
+
+_FLOOD_TEXT = " ".join(["the capital of France is Paris and the Seine flows through it"] * 130)
+
+
+def _flood(texts: int = 64) -> list[str]:
+    """A batch of long texts: about a tenth of a second of the worker's time."""
+    return [f"{i} {_FLOOD_TEXT}" for i in range(texts)]
+
+
+async def test_wordllama_serves_another_tenant_between_a_floods_batches() -> None:
+    """Tenant A fills its queue with long batches; tenant B's question waits for at most the
+    one batch already running (FIFO would put it behind all of them), and A's next batch is
+    refused at once."""
+    embedder = WordLlamaEmbedder(inline_max_chars=0, max_queued_per_tenant=4, deadline_s=60)
+    question = "What is the capital of France? " * 10
+    try:
+        flood = [asyncio.create_task(embedder.embed(_flood(), tenant="a")) for _ in range(4)]
+        await asyncio.sleep(0)  # every batch submitted
+        started = time.monotonic()
+        with pytest.raises(EmbeddingBusy, match="tenant 'a' already has 4 embeddings"):
+            await embedder.embed(_flood(), tenant="a")
+        assert time.monotonic() - started < 0.05  # refused without waiting
+        assert embedder.refused == {"tenant_queue_full": 1}
+        served = await embedder.embed([question], tenant="b")
+        still_queued = sum(not task.done() for task in flood)
+        assert still_queued >= 2, "B waited behind A's backlog"
+        np.testing.assert_array_equal(served, embedder.embed_sync([question]))
+        for vectors in await asyncio.gather(*flood):
+            assert vectors.shape == (64, 256)
+        # A's queue drained: A is served again.
+        assert (await embedder.embed(_flood(2), tenant="a")).shape == (2, 256)
+    finally:
+        await embedder.close()
+
+
+async def test_wordllama_deadline_gives_up_and_the_work_never_runs() -> None:
+    embedder = WordLlamaEmbedder(inline_max_chars=0, max_queued_per_tenant=16, deadline_s=0.1)
+    ran: list[int] = []
+    original = embedder.embed_sync
+
+    def counted(texts: Any) -> Any:
+        ran.append(len(texts))
+        return original(texts)
+
+    embedder.embed_sync = counted  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        results = await asyncio.gather(
+            *(embedder.embed(_flood(), tenant="a") for _ in range(8)), return_exceptions=True
+        )
+        elapsed = time.monotonic() - started
+        assert all(isinstance(r, EmbeddingDeadlineExceeded) for r in results), results
+        assert all(isinstance(r, EmbeddingUnavailable) for r in results)  # "unavailable"
+        # Eight batches are about a second of work; the callers gave up after 0.1 s.
+        assert elapsed < 0.6, elapsed
+        assert embedder.refused == {"deadline": 8}
+        await asyncio.sleep(0.5)  # whatever was running has finished by now
+        assert len(ran) <= 2, "batches past their deadline still ran"
+        # The worker is free again: a new question is served.
+        assert (await embedder.embed(["What is the capital of France?"])).shape == (1, 256)
+    finally:
+        await embedder.close()
+
+
+async def test_client_bounds_what_one_tenant_has_in_flight(sim_url: str) -> None:
+    client = OpenAIEmbeddingsClient(
+        f"{sim_url}/v1",
+        SIM_MODEL,
+        dimensions=256,
+        api_key=SIM_KEY,
+        timeout_s=5,
+        max_queued_per_tenant=2,
+        extra_headers={"x-sim-ttft-ms": "300"},
+    )
+    try:
+        flood = [asyncio.create_task(client.embed(["slow"], tenant="a")) for _ in range(2)]
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        with pytest.raises(EmbeddingBusy, match="tenant 'a' already has 2"):
+            await client.embed(["one more"], tenant="a")
+        assert time.monotonic() - started < 0.05
+        assert (await client.embed(["b's question"], tenant="b")).shape == (1, 256)
+        assert all(v.shape == (1, 256) for v in await asyncio.gather(*flood))
+        assert client.refused == {"tenant_queue_full": 1}
+        assert (await client.embed(["a again"], tenant="a")).shape == (1, 256)
+    finally:
+        await client.close()
+
+
+async def test_client_deadline_covers_every_batch_of_a_call(sim_url: str) -> None:
+    """Four requests of one text, 250 ms each: each alone is within the 0.4 s deadline, the
+    call is not."""
+    client = OpenAIEmbeddingsClient(
+        f"{sim_url}/v1",
+        SIM_MODEL,
+        dimensions=256,
+        api_key=SIM_KEY,
+        timeout_s=0.4,
+        max_batch=1,
+        extra_headers={"x-sim-ttft-ms": "250"},
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(EmbeddingDeadlineExceeded, match=r"no answer within 0\.4 s"):
+            await client.embed(TEXTS[:4])
+        assert time.monotonic() - started < 0.8
+        assert client.refused == {"deadline": 1}
+    finally:
+        await client.close()

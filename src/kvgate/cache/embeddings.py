@@ -15,6 +15,15 @@ Two implementations of :class:`Embedder`:
   server (vLLM serving an embedding model, or the simulator's wordllama), over aiohttp with
   a hard deadline.
 
+Both are shared by every tenant, so both take the ``tenant`` an embedding is for and bound
+what one tenant may have outstanding (``max_queued_per_tenant``; past it the call is
+refused at once with :class:`EmbeddingBusy`), and both give every call one deadline, waiting
+included (past it :class:`EmbeddingDeadlineExceeded`). WordLlama's worker thread takes jobs
+by start-time fair queueing over per-tenant queues (the tokenizer pool's scheduler,
+``kvgate.tokenize.service``): a tenant flooding long questions delays another tenant's
+embedding by at most the one job already running. What was refused is counted by reason in
+``refused``.
+
 Every failure to produce vectors is an :class:`EmbeddingError`; the caller treats it as "no
 semantic lookup" and serves the request normally. A text without a single meaningful token
 (``""``, only special tokens) embeds as the zero vector: its similarity with everything is 0,
@@ -31,8 +40,10 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import sys
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,8 +51,12 @@ import aiohttp
 import numpy as np
 import numpy.typing as npt
 
+from kvgate.tokenize.service import TokenizerBusy, _FairScheduler
+
 __all__ = [
     "Embedder",
+    "EmbeddingBusy",
+    "EmbeddingDeadlineExceeded",
     "EmbeddingError",
     "EmbeddingInputError",
     "EmbeddingUnavailable",
@@ -66,6 +81,25 @@ class EmbeddingUnavailable(EmbeddingError):
     """The embedder could not answer: timeout, connection, 5xx, a malformed answer."""
 
 
+class EmbeddingBusy(EmbeddingUnavailable):
+    """The tenant already has ``max_queued_per_tenant`` embeddings outstanding: this one was
+    not queued."""
+
+
+class EmbeddingDeadlineExceeded(EmbeddingUnavailable):
+    """No vectors within the call's deadline (queued behind other work, or a slow server)."""
+
+
+# The reasons ``refused`` counts (the label of kvgate_semantic_cache_embeddings_refused).
+REFUSED_TENANT_QUEUE_FULL = "tenant_queue_full"
+REFUSED_DEADLINE = "deadline"
+
+# Embeddings one tenant may have queued or running at once, and every call's deadline,
+# unless configured (semantic_cache.embedder.max_queued_per_tenant and timeout_s).
+DEFAULT_MAX_QUEUED_PER_TENANT = 8
+DEFAULT_DEADLINE_S = 0.5
+
+
 @runtime_checkable
 class Embedder(Protocol):
     """Texts -> an ``(n, dimensions)`` float32 array, each row L2-normalised (or all zeros).
@@ -79,7 +113,7 @@ class Embedder(Protocol):
     @property
     def dimensions(self) -> int: ...
 
-    async def embed(self, texts: Sequence[str]) -> Vectors: ...
+    async def embed(self, texts: Sequence[str], *, tenant: str = "") -> Vectors: ...
 
     async def close(self) -> None: ...
 
@@ -126,9 +160,13 @@ class WordLlamaEmbedder:
 
     ``embed`` runs on the event loop when the batch is at most ``inline_max_chars``
     characters (a short question costs less than a hop to a thread), else on the embedder's
-    own worker thread (one: batches queue, they never take more than one core).
-    Texts of more than ``max_tokens`` tokens are refused with :class:`EmbeddingInputError`
-    (a mean over thousands of tokens says little, and the cache should not key on it).
+    own worker thread (one: batches queue, they never take more than one core). The thread
+    serves tenants fairly (start-time fair queueing weighted by characters); a tenant with
+    ``max_queued_per_tenant`` batches queued or running gets :class:`EmbeddingBusy`, and a
+    batch not done within ``deadline_s`` of the call :class:`EmbeddingDeadlineExceeded`
+    (still queued, it never runs). Texts of more than ``max_tokens`` tokens are refused
+    with :class:`EmbeddingInputError` (a mean over thousands of tokens says little, and the
+    cache should not key on it).
 
     Loading reads 16 MB of weights (about 0.1 s warm): do it at start-up.
     """
@@ -139,12 +177,16 @@ class WordLlamaEmbedder:
         dimensions: int = 256,
         max_tokens: int = 2048,
         inline_max_chars: int = 256,
+        max_queued_per_tenant: int = DEFAULT_MAX_QUEUED_PER_TENANT,
+        deadline_s: float = DEFAULT_DEADLINE_S,
         package_dir: Path | None = None,
     ) -> None:
         if dimensions not in WORDLLAMA_DIMENSIONS:
             raise ValueError(f"dimensions must be one of {WORDLLAMA_DIMENSIONS}, not {dimensions}")
         if max_tokens < 1 or inline_max_chars < 0:
             raise ValueError("max_tokens must be >= 1 and inline_max_chars >= 0")
+        if max_queued_per_tenant < 1 or deadline_s <= 0:
+            raise ValueError("max_queued_per_tenant must be >= 1 and deadline_s > 0")
         from safetensors.numpy import load
         from tokenizers import Tokenizer
 
@@ -171,11 +213,15 @@ class WordLlamaEmbedder:
         self._dimensions = dimensions
         self.max_tokens = max_tokens
         self.inline_max_chars = inline_max_chars
+        self.max_queued_per_tenant = max_queued_per_tenant
+        self.deadline_s = deadline_s
+        # Calls refused, by reason (REFUSED_TENANT_QUEUE_FULL, REFUSED_DEADLINE).
+        self.refused: Counter[str] = Counter()
         try:
             self.version = importlib.metadata.version("wordllama")
         except importlib.metadata.PackageNotFoundError:
             self.version = "unknown"
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker: _FairScheduler | None = None
 
     @property
     def name(self) -> str:
@@ -185,15 +231,50 @@ class WordLlamaEmbedder:
     def dimensions(self) -> int:
         return self._dimensions
 
-    async def embed(self, texts: Sequence[str]) -> Vectors:
+    async def embed(self, texts: Sequence[str], *, tenant: str = "") -> Vectors:
+        """The texts' vectors; ``tenant`` is whose fair share and bound the work counts
+        against ("" : nobody's, never refused for the bound, still under the deadline)."""
         texts = _text_list(texts)
         self._check_lengths(texts)
-        if sum(len(t) for t in texts) <= self.inline_max_chars:
+        chars = sum(len(t) for t in texts)
+        if chars <= self.inline_max_chars:
             return self.embed_sync(texts)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-embed")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.embed_sync, texts)
+        worker = self._ensure_worker()
+        try:
+            job = worker.submit(tenant, lambda: self.embed_sync(texts), chars, bounded=True)
+        except TokenizerBusy as exc:
+            self.refused[REFUSED_TENANT_QUEUE_FULL] += 1
+            raise EmbeddingBusy(
+                f"tenant '{tenant}' already has {exc.jobs} embeddings queued or running"
+            ) from exc
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return await job.future  # type: ignore[no-any-return]
+        except TimeoutError as exc:
+            self.refused[REFUSED_DEADLINE] += 1
+            raise EmbeddingDeadlineExceeded(
+                f"no vectors within {self.deadline_s:g} s "
+                f"({time.monotonic() - started:.3f} s, {chars} characters)"
+            ) from exc
+        except RuntimeError as exc:  # closed while queued
+            raise EmbeddingUnavailable(f"the embedder is closed: {exc}") from exc
+        finally:
+            worker.drop(job)  # still queued (deadline, cancelled caller): it never runs
+
+    def _ensure_worker(self) -> _FairScheduler:
+        if self._worker is None:
+            # One thread: batches never take more than one core. The bound is in batches,
+            # not characters (each is at most max_tokens tokens anyway), and no batch counts
+            # as large (with one thread there is nothing to reserve).
+            self._worker = _FairScheduler(
+                1,
+                max_jobs_per_tenant=self.max_queued_per_tenant,
+                max_cost_per_tenant=sys.maxsize,
+                large_job_cost=sys.maxsize,
+                reserved_workers=0,
+            )
+        return self._worker
 
     def embed_sync(self, texts: Sequence[str]) -> Vectors:
         """The computation itself, on the calling thread."""
@@ -235,9 +316,11 @@ class WordLlamaEmbedder:
                 )
 
     async def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        """Stop the worker thread (queued calls fail as unavailable; the next call that
+        needs the thread starts a new one)."""
+        if self._worker is not None:
+            self._worker.close(wait=False)
+            self._worker = None
 
 
 # --------------------------------------------------------------------------- OpenAI API
@@ -251,9 +334,13 @@ class OpenAIEmbeddingsClient:
     asks the server for it (the ``dimensions`` field: a matryoshka model truncates, vLLM
     refuses it for other models). Answers are asked for as ``base64`` (little-endian
     float32, what vLLM and OpenAI send) unless ``encoding_format="float"``, and are
-    renormalised here whatever the server did. One deadline, ``timeout_s``, covers
-    connecting, sending and reading; ``connect_timeout_s`` bounds the connect alone.
-    More than ``max_batch`` texts are sent as several requests, one after the other.
+    renormalised here whatever the server did. One deadline, ``timeout_s``, covers the
+    whole call: connecting, sending and reading, and every request when more than
+    ``max_batch`` texts are sent as several, one after the other (past it
+    :class:`EmbeddingDeadlineExceeded`); ``connect_timeout_s`` bounds the connect alone.
+    A tenant with ``max_queued_per_tenant`` calls in flight gets :class:`EmbeddingBusy` at
+    once: the server schedules what it receives, so what kvgate bounds is how much of it one
+    tenant can have outstanding.
     4xx answers (429 excepted) raise :class:`EmbeddingInputError`; timeouts, connection
     failures, 429, 5xx and malformed answers :class:`EmbeddingUnavailable`.
     """
@@ -270,6 +357,7 @@ class OpenAIEmbeddingsClient:
         timeout_s: float = 2.0,
         connect_timeout_s: float = 0.5,
         max_batch: int = 256,
+        max_queued_per_tenant: int = DEFAULT_MAX_QUEUED_PER_TENANT,
         extra_headers: Mapping[str, str] | None = None,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
@@ -279,6 +367,8 @@ class OpenAIEmbeddingsClient:
             raise ValueError("encoding_format must be 'base64' or 'float'")
         if timeout_s <= 0 or connect_timeout_s <= 0 or max_batch < 1:
             raise ValueError("timeouts must be > 0 and max_batch >= 1")
+        if max_queued_per_tenant < 1:
+            raise ValueError("max_queued_per_tenant must be >= 1")
         self.url = base_url.rstrip("/") + "/embeddings"
         self.model = model
         self._dimensions = dimensions
@@ -287,6 +377,10 @@ class OpenAIEmbeddingsClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_batch = max_batch
+        self.max_queued_per_tenant = max_queued_per_tenant
+        # Calls refused, by reason (REFUSED_TENANT_QUEUE_FULL, REFUSED_DEADLINE).
+        self.refused: Counter[str] = Counter()
+        self._in_flight: Counter[str] = Counter()  # per tenant
         self._headers = {
             **(extra_headers or {}),
             "Content-Type": "application/json",
@@ -307,17 +401,36 @@ class OpenAIEmbeddingsClient:
     def dimensions(self) -> int:
         return self._dimensions
 
-    async def embed(self, texts: Sequence[str]) -> Vectors:
+    async def embed(self, texts: Sequence[str], *, tenant: str = "") -> Vectors:
+        """The texts' vectors; ``tenant`` is whose bound the call counts against ("":
+        nobody's, still under the deadline)."""
         texts = _text_list(texts)
         if not texts:
             return np.zeros((0, self._dimensions), dtype=np.float32)
-        parts = [
-            await self._embed_batch(texts[i : i + self.max_batch])
-            for i in range(0, len(texts), self.max_batch)
-        ]
+        # As the WordLlama worker: a tenant with nothing outstanding is always served.
+        if tenant and self._in_flight[tenant] >= self.max_queued_per_tenant:
+            self.refused[REFUSED_TENANT_QUEUE_FULL] += 1
+            raise EmbeddingBusy(
+                f"tenant '{tenant}' already has {self._in_flight[tenant]} embedding requests "
+                f"in flight to {self.url}"
+            )
+        self._in_flight[tenant] += 1
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            parts = [
+                await self._embed_batch(texts[i : i + self.max_batch], deadline)
+                for i in range(0, len(texts), self.max_batch)
+            ]
+        except EmbeddingDeadlineExceeded:
+            self.refused[REFUSED_DEADLINE] += 1
+            raise
+        finally:
+            self._in_flight[tenant] -= 1
+            if not self._in_flight[tenant]:
+                del self._in_flight[tenant]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    async def _embed_batch(self, texts: list[str]) -> Vectors:
+    async def _embed_batch(self, texts: list[str], deadline: float) -> Vectors:
         body: dict[str, Any] = {
             "model": self.model,
             "input": texts,
@@ -330,20 +443,23 @@ class OpenAIEmbeddingsClient:
         # is not an embeddings answer: stop reading.
         limit = 65536 + len(texts) * self._dimensions * 32
         session = self._ensure_session()
+        left = deadline - time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout_s):
+            if left <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(left):
                 async with session.post(
                     self.url,
                     data=payload,
                     headers=self._headers,
                     timeout=aiohttp.ClientTimeout(
-                        total=self.timeout_s, sock_connect=self.connect_timeout_s
+                        total=left, sock_connect=min(left, self.connect_timeout_s)
                     ),
                 ) as resp:
                     raw = await _read_capped(resp, limit)
                     status = resp.status
         except TimeoutError as exc:
-            raise EmbeddingUnavailable(
+            raise EmbeddingDeadlineExceeded(
                 f"{self.url}: no answer within {self.timeout_s:g} s"
             ) from exc
         except EmbeddingError:
