@@ -198,6 +198,7 @@ FIELD_CLASSES: dict[str, str] = {
             "api_key_env",
             "send_dimensions",
             "timeout_s",
+            "max_queued_per_tenant",
         )
     },
     "semantic_cache.max_entries_per_context": RESTART,

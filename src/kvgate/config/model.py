@@ -701,8 +701,14 @@ class SemanticEmbedderConfig(_Strict):
     api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     # Ask a matryoshka model for `dimensions` (vLLM refuses it for other models).
     send_dimensions: bool = False
-    # The embedding call's whole deadline: past it the request runs uncached.
+    # Every embedding's whole deadline, waiting for its turn included (both kinds; for
+    # openai every request of the call): past it the lookup gives up and the request runs
+    # uncached (result "unavailable").
     timeout_s: float = Field(default=0.5, gt=0, le=10)
+    # Embeddings one tenant may have queued or running at once (wordllama: batches waiting
+    # for the worker thread, which serves tenants in fair shares; openai: requests in
+    # flight); past it the lookup is refused at once and the request runs uncached.
+    max_queued_per_tenant: int = Field(default=8, ge=1, le=10_000)
 
     @model_validator(mode="after")
     def _endpoint(self) -> SemanticEmbedderConfig:
