@@ -179,6 +179,9 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "semantic_cache.embedder.api_key_env": {"semantic_cache.embedder.api_key_env": "EMBED_KEY"},
     "semantic_cache.embedder.send_dimensions": {"semantic_cache.embedder.send_dimensions": True},
     "semantic_cache.embedder.timeout_s": {"semantic_cache.embedder.timeout_s": 1.0},
+    "semantic_cache.embedder.max_queued_per_tenant": {
+        "semantic_cache.embedder.max_queued_per_tenant": 2
+    },
     "semantic_cache.max_entries_per_context": {"semantic_cache.max_entries_per_context": 8},
     "semantic_cache.mirror_max_bytes": {"semantic_cache.mirror_max_bytes": 2 * 1024 * 1024},
     "semantic_cache.memory_max_bytes": {"semantic_cache.memory_max_bytes": 2 * 1024 * 1024},
