@@ -48,7 +48,11 @@ from kvgate.lifecycle.scheduler import PoolScheduler
 from kvgate.lifecycle.semantic_cache import SemanticCache, build_semantic_cache
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
-from kvgate.metrics.definitions import CountingCollector, TokenFileCollector
+from kvgate.metrics.definitions import (
+    CountingCollector,
+    SemanticCacheCollector,
+    TokenFileCollector,
+)
 from kvgate.metrics.http import create_http_app, create_operator_app
 from kvgate.policy import ActualUsage, MonotonicClock, Reservation
 from kvgate.reload import ConfigReloader
@@ -135,6 +139,10 @@ class KvgateServer:
             if config.semantic_cache.enabled
             else None
         )
+        if self.semantic_cache is not None:
+            self.metrics.registry.register(
+                SemanticCacheCollector(self.semantic_cache.embedder, self.semantic_cache.index)
+            )
         self.tokenizers = load_tokenizers(config)
         self.metrics.registry.register(CountingCollector(self.tokenizers))
         self.capacity = CapacityRegistry(metrics=self.metrics)

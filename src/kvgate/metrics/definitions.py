@@ -6,8 +6,8 @@ values are never used as labels), `reason`, `outcome` and `cause` are enums.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Mapping
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -300,6 +300,16 @@ class Metrics:
             ["tenant", "model"],
             registry=r,
         )
+        self.semantic_cache_bypasses = Counter(
+            "kvgate_semantic_cache_bypasses",
+            "Questions the semantic cache would not compare (never a hit, never stored), by "
+            "what they hold that the lexical guard cannot see but the model reads: "
+            "tag_characters, bidi_controls, format_characters, control_characters, "
+            "private_or_unassigned, variation_selectors. Also counted as bypass in "
+            "kvgate_semantic_cache.",
+            ["reason"],
+            registry=r,
+        )
         self.idempotent_requests = Counter(
             "kvgate_idempotent_requests",
             "Requests with an Idempotency-Key by what kvgate did: started (ran), replayed "
@@ -399,3 +409,61 @@ class CountingCollector(Collector):
         for model, engine in sorted(self._source.engines().items()):
             engines.add_metric([model, engine], 1)
         return [hits, misses, entries, engines]
+
+
+@runtime_checkable
+class RefusalCounts(Protocol):
+    """An embedder that counts the calls it refused, by reason (kvgate.cache.embeddings)."""
+
+    refused: Mapping[str, int]
+
+
+class MirrorStats(Protocol):
+    """What the semantic index's mirror holds (kvgate.cache.semantic.SemanticIndex)."""
+
+    @property
+    def mirrored_bytes(self) -> int: ...
+
+    @property
+    def mirrored_entries(self) -> int: ...
+
+    @property
+    def mirrored_contexts(self) -> int: ...
+
+
+class SemanticCacheCollector(Collector):
+    """The semantic cache's embedder refusals and its index mirror, read when scraped."""
+
+    def __init__(self, embedder: object, index: MirrorStats) -> None:
+        self._embedder = embedder
+        self._index = index
+
+    def collect(self) -> Iterable[Metric]:
+        refused = CounterMetricFamily(
+            "kvgate_semantic_cache_embeddings_refused",
+            "Semantic lookups the embedder gave up on (the request ran uncached, counted as "
+            "unavailable in kvgate_semantic_cache): tenant_queue_full (the tenant already had "
+            "semantic_cache.embedder.max_queued_per_tenant embeddings outstanding), deadline "
+            "(no vectors within semantic_cache.embedder.timeout_s, waiting included).",
+            labels=["reason"],
+        )
+        counts = self._embedder.refused if isinstance(self._embedder, RefusalCounts) else {}
+        for reason in ("tenant_queue_full", "deadline"):
+            refused.add_metric([reason], counts.get(reason, 0))
+        mirror_bytes = GaugeMetricFamily(
+            "kvgate_semantic_cache_mirror_bytes",
+            "Bytes this replica's semantic index holds (entries and a fixed overhead per "
+            "context, empty ones included), bounded by semantic_cache.mirror_max_bytes.",
+        )
+        mirror_bytes.add_metric([], self._index.mirrored_bytes)
+        contexts = GaugeMetricFamily(
+            "kvgate_semantic_cache_mirror_contexts",
+            "Contexts this replica's semantic index holds, with entries or not.",
+        )
+        contexts.add_metric([], self._index.mirrored_contexts)
+        entries = GaugeMetricFamily(
+            "kvgate_semantic_cache_mirror_entries",
+            "Stored questions this replica's semantic index holds.",
+        )
+        entries.add_metric([], self._index.mirrored_entries)
+        return [refused, mirror_bytes, contexts, entries]
