@@ -9,6 +9,10 @@ Test steering headers (all optional):
 ``x-sim-stall-after: K``      send K tokens, then hang until the client goes away
 ``x-sim-abort-after: K``      send K tokens, then cut the connection (no [DONE])
 ``x-sim-chunk-tokens: K``     stream K tokens per SSE event (vLLM merging deltas)
+``x-sim-stream-error-after: K`` send K tokens, then fail: vLLM's in-band error event, [DONE]
+``x-sim-end-after: K``        send K tokens, then end the stream cleanly without [DONE]
+``x-sim-finish-abort-after: K`` after K tokens the engine aborts: finish_reason "abort"
+``x-sim-proxy-answer: html|empty`` a 200 from "a proxy in front": an HTML page, or no body
 """
 
 from __future__ import annotations
@@ -62,6 +66,25 @@ DISCONNECT_POLL_S = 0.02
 RECORD_KEY = web.RequestKey("vllm_sim_record", RequestRecord)
 # vLLM's AuthenticationMiddleware answers with a bare Starlette JSONResponse.
 UNAUTHORIZED_BODY = b'{"error":"Unauthorized"}'
+# x-sim-proxy-answer: what a proxy or load balancer in front of vLLM may answer with a 200
+# (a maintenance or login page, an empty body) without vLLM ever seeing the request.
+PROXY_ANSWERS = ("html", "empty")
+PROXY_HTML_PAGE = (
+    b"<!DOCTYPE html>\n<html><head><title>Service maintenance</title></head>"
+    b"<body><h1>We'll be back soon</h1></body></html>\n"
+)
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# How a generation may end early (Steering.ending_at).
+GENERATION_FAILED = "failed"  # x-sim-stream-error-after
+END_CLEANLY = "end"  # x-sim-end-after
+ENGINE_ABORT = "abort"  # x-sim-finish-abort-after
+# vLLM 0.10.2 when its engine dies mid-stream: the exception's text in its streaming error
+# event (create_streaming_error_response's defaults, json.dumps' default separators).
+ENGINE_DEAD_ERROR = protocol.error_body(
+    "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    "BadRequestError",
+    400,
+)
 
 
 def _json_response(body: Any, status: int = 200) -> web.Response:
@@ -145,6 +168,9 @@ class Steering:
     stall_after: int | None = None
     abort_after: int | None = None
     chunk_tokens: int = 1
+    stream_error_after: int | None = None
+    end_after: int | None = None
+    finish_abort_after: int | None = None
 
     @classmethod
     def from_headers(cls, headers: Any, config: SimConfig) -> Steering:
@@ -179,7 +205,22 @@ class Steering:
             stall_after=count("x-sim-stall-after"),
             abort_after=count("x-sim-abort-after"),
             chunk_tokens=max(1, count("x-sim-chunk-tokens") or 1),
+            stream_error_after=count("x-sim-stream-error-after"),
+            end_after=count("x-sim-end-after"),
+            finish_abort_after=count("x-sim-finish-abort-after"),
         )
+
+    def ending_at(self, produced: int) -> str | None:
+        """How the generation ends now that `produced` tokens were taken from the engine
+        (over all choices), if one of the early endings is due."""
+        for after, ending in (
+            (self.stream_error_after, GENERATION_FAILED),
+            (self.end_after, END_CLEANLY),
+            (self.finish_abort_after, ENGINE_ABORT),
+        ):
+            if after is not None and produced >= after:
+                return ending
+        return None
 
 
 def plan_output(
@@ -313,6 +354,9 @@ class VllmSim:
         if not path.startswith("/v1"):
             return await handler(request)
         request[RECORD_KEY] = self.requests.add(request.method, path, request.headers)
+        proxy_answer = request.headers.get("x-sim-proxy-answer")
+        if proxy_answer is not None and path in GENERATION_PATHS:
+            return await self._proxy_answer(request, proxy_answer.strip().lower())
         if (
             self._auth_values
             and request.method != "OPTIONS"
@@ -320,6 +364,24 @@ class VllmSim:
         ):
             return web.Response(body=UNAUTHORIZED_BODY, status=401, content_type="application/json")
         return await handler(request)
+
+    async def _proxy_answer(self, request: web.Request, kind: str) -> web.Response:
+        """A 200 that does not come from vLLM (x-sim-proxy-answer): an HTML page, or an
+        empty body typed as the request expects (an event stream or JSON)."""
+        if kind not in PROXY_ANSWERS:
+            err = RequestError.bad_request(f"x-sim-proxy-answer must be html or empty: {kind!r}")
+            return _error_response(err)
+        body: dict[str, Any] | None = None
+        with contextlib.suppress(RequestError):
+            body = parse_json_body(await request.read(), request.headers.get("Content-Type", ""))
+        record: RequestRecord | None = request.get(RECORD_KEY)
+        if record is not None and body is not None:
+            record.note_body(body)
+        if kind == "html":
+            return web.Response(body=PROXY_HTML_PAGE, content_type="text/html", charset="utf-8")
+        if body is not None and body.get("stream") is True:
+            return web.Response(content_type="text/event-stream", charset="utf-8")
+        return web.Response(content_type="application/json")
 
     def _check_model(self, common: CommonParams) -> None:
         # vLLM: a missing/empty model means the served one.
@@ -638,6 +700,10 @@ class VllmSim:
                 check_sampling(len(prompt_ids), common, self.max_model_len)
         except RequestError as err:
             return _error_response(err)
+        if steering.end_after is not None and not common.stream:
+            return _error_response(
+                RequestError.bad_request("x-sim-end-after applies to streamed requests only")
+            )
         engine_error = check_logprobs(common, self.config.max_logprobs) or engine_error
         if engine_error is not None:
             return await self._engine_refusal(request, common, engine_error)
@@ -779,11 +845,14 @@ class VllmSim:
         # has not taken yet).
         pending: dict[_Choice, list[int]] = {}
 
-        async def flush(choice: _Choice) -> None:
+        async def flush(choice: _Choice, finish_as: str | None = None) -> None:
+            """Write the choice's pending tokens as one event. `finish_as`: the engine
+            ended the choice here (an abort), even with no token left to send."""
             nonlocal role_sent
-            indices = pending.pop(choice, None)
-            if not indices:
+            indices = pending.pop(choice, None) or []
+            if not indices and finish_as is None:
                 return
+            start = indices[0] if indices else choice.req.sent
             ids: list[int] = []
             texts: list[str] = []
             for i in indices:
@@ -791,8 +860,9 @@ class VllmSim:
                 ids.append(token_id)
                 texts.append(text)
             out_text = "".join(texts)
-            done = indices[-1] + 1
+            done = start + len(indices)
             finish = choice.req.finish_reason if done == choice.req.target_tokens else None
+            finish = finish_as or finish
             if isinstance(fmt, protocol.ChatFormatter):
                 if not role_sent:
                     # vLLM sends every choice's role chunk on the first engine output.
@@ -802,18 +872,16 @@ class VllmSim:
                     role_sent = True
                 logprobs = None
                 if lps is not None and k is not None:
-                    logprobs = lps.chat(lps.positions(ids, k, choice.index, indices[0]), k)
+                    logprobs = lps.chat(lps.positions(ids, k, choice.index, start), k)
                 chunk = fmt.token_chunk(
                     choice.index, out_text, ids, finish, usage_now(choice, done), logprobs
                 )
             else:
-                first = indices[0] == 0
+                first = start == 0
                 echo = first and choice.echo is not None
                 logprobs = None
                 if lps is not None and k is not None:
-                    positions: list[Position | None] = [
-                        *lps.positions(ids, k, choice.index, indices[0])
-                    ]
+                    positions: list[Position | None] = [*lps.positions(ids, k, choice.index, start)]
                     lp_ids = ids
                     if echo:
                         positions = [*self._prompt_positions(choice.prompt_ids, k), *positions]
@@ -847,6 +915,25 @@ class VllmSim:
                     await self._stall_forever()
                 self._cut_connection(request, choices)
                 return resp
+            ending = steering.ending_at(produced)
+            if ending is not None:
+                for c in list(pending):
+                    await flush(c)
+                if ending == ENGINE_ABORT:
+                    # vLLM's engine aborted the request: each choice still running gets
+                    # a last event without tokens, finishing it with "abort".
+                    for c in choices:
+                        if c.req.sent < c.req.target_tokens:
+                            self.engine.abort(c.req)
+                            await flush(c, finish_as="abort")
+                    break
+                for c in choices:
+                    self.engine.abort(c.req)  # generation stops: its KV is freed
+                if ending == GENERATION_FAILED:
+                    await resp.write(f"data: {json.dumps(ENGINE_DEAD_ERROR)}\n\n".encode())
+                    await resp.write(protocol.SSE_DONE)
+                await resp.write_eof()  # END_CLEANLY: the body ends, no [DONE]
+                return resp
             choice, i = await feed.next()
             if i is None:
                 remaining -= 1
@@ -859,7 +946,7 @@ class VllmSim:
                 await flush(choice)
         if include_usage:
             prompt_tokens = len(prompts[0]) if chat else sum(len(p) for p in prompts)
-            completion = sum(c.req.generated for c in choices)
+            completion = sum(c.req.sent for c in choices)
             cached = self._cached_tokens(choices, common.n, stream=True)
             await resp.write(protocol.sse(fmt.usage_chunk(prompt_tokens, completion, cached)))
         await resp.write(protocol.SSE_DONE)
@@ -886,6 +973,18 @@ class VllmSim:
             if steering.abort_after is not None and produced >= steering.abort_after:
                 self._cut_connection(request, choices)
                 return web.Response(status=500)  # never reaches the client
+            ending = steering.ending_at(produced)
+            if ending == GENERATION_FAILED:
+                for c in choices:
+                    self.engine.abort(c.req)
+                # vLLM's handler for a dead engine answers a bare 500.
+                return web.Response(status=500)
+            if ending == ENGINE_ABORT:
+                for c in choices:
+                    if len(c.output_ids) < c.req.target_tokens:
+                        self.engine.abort(c.req)
+                        c.aborted = True
+                break
             choice, i = await feed.next()
             if i is None:
                 remaining -= 1
@@ -899,7 +998,7 @@ class VllmSim:
             protocol.ChoiceOutput(
                 index=c.index,
                 text=(c.echo or "") + "".join(c.texts),
-                finish_reason=c.req.finish_reason,
+                finish_reason="abort" if c.aborted else c.req.finish_reason,
                 token_ids=c.output_ids,
                 prompt_ids=c.prompt_ids,
             )
@@ -941,6 +1040,8 @@ class _Choice:
     echo: str | None
     output_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    # The engine aborted it before its last token (x-sim-finish-abort-after).
+    aborted: bool = False
     # Generated text streamed so far (vLLM's previous_text_lens: logprob offsets).
     text_len: int = 0
     # Credits to generate the next token (see _Feed).
