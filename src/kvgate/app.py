@@ -64,7 +64,7 @@ from kvgate.store import (
     RedisStore,
     StateStore,
 )
-from kvgate.tokenize import PromptCounter, TokenizerService, resolve_tokenizer_dir
+from kvgate.tokenize import TokenizerService, load_counter, resolve_tokenizer_dir
 from kvgate.tracing import build_tracing
 
 if TYPE_CHECKING:
@@ -90,8 +90,11 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
     cache_dir = Path(config.server.tokenizer_cache_dir)
     for model in config.models:
         model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
-        counter = PromptCounter.from_model_dir(
-            model_dir, name=model.name, counting_engine=model.counting_engine
+        counter = load_counter(
+            model_dir,
+            name=model.name,
+            counting_engine=model.counting_engine,
+            tokenizer_mode=model.tokenizer_mode,
         )
         if counter.engine != "compiled-bpe":
             log.info(

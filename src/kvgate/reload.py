@@ -18,7 +18,7 @@ from typing import Any
 
 from kvgate.config import ConfigError, KvgateConfig, SnapshotHolder, compile_snapshot, load_config
 from kvgate.metrics import Metrics
-from kvgate.tokenize import PromptCounter, TokenizerService, resolve_tokenizer_dir
+from kvgate.tokenize import TokenizerService, load_counter, resolve_tokenizer_dir
 
 log = logging.getLogger("kvgate.reload")
 
@@ -117,6 +117,7 @@ FIELD_CLASSES: dict[str, str] = {
     "models.*.name": RELOAD,
     "models.*.tokenizer": RELOAD,  # loaded before the swap
     "models.*.counting_engine": RELOAD,  # the tokenizer is loaded again before the swap
+    "models.*.tokenizer_mode": RELOAD,  # likewise
     "models.*.max_context": RELOAD,
     "models.*.default_max_new_tokens": RELOAD,
     "models.*.backend": RELOAD,
@@ -349,17 +350,24 @@ class ConfigReloader:
 
     def _load_tokenizers(self, old: KvgateConfig, new: KvgateConfig) -> None:
         """Load tokenizers of new or changed models before anything is swapped."""
-        previous = {m.name: (m.tokenizer, m.counting_engine) for m in old.models}
+        previous = {m.name: (m.tokenizer, m.counting_engine, m.tokenizer_mode) for m in old.models}
         cache_dir = Path(new.server.tokenizer_cache_dir)
         if cache_dir != Path(old.server.tokenizer_cache_dir):
             previous = {}  # every model is loaded again, from the new cache directory
         loaded = {}
         for model in new.models:
-            if previous.get(model.name) == (model.tokenizer, model.counting_engine):
+            if previous.get(model.name) == (
+                model.tokenizer,
+                model.counting_engine,
+                model.tokenizer_mode,
+            ):
                 continue
             model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
-            loaded[model.name] = PromptCounter.from_model_dir(
-                model_dir, name=model.name, counting_engine=model.counting_engine
+            loaded[model.name] = load_counter(
+                model_dir,
+                name=model.name,
+                counting_engine=model.counting_engine,
+                tokenizer_mode=model.tokenizer_mode,
             )
         for name, counter in loaded.items():
             self._tokenizers.register(name, counter)

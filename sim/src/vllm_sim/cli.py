@@ -23,7 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-dir",
         required=True,
         type=Path,
-        help="Hugging Face model dir (tokenizer.json + tokenizer_config.json)",
+        help="model dir: Hugging Face (tokenizer.json + tokenizer_config.json) or Mistral "
+        "(tekken.json or tokenizer.model.v*)",
+    )
+    p.add_argument(
+        "--tokenizer-mode",
+        choices=["auto", "hf", "mistral"],
+        default="auto",
+        help="vLLM's --tokenizer-mode (auto: mistral for a Mistral-format dir)",
     )
     p.add_argument(
         "--served-model-name",
@@ -124,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         model_dir=args.model_dir,
+        tokenizer_mode=args.tokenizer_mode,
         served_model_name=args.served_model_name or str(args.model_dir),
         max_model_len=args.max_model_len,
         num_gpu_blocks=args.num_gpu_blocks,

@@ -25,6 +25,9 @@ class SimConfig:
 
     model_dir: Path
     served_model_name: str
+    # vLLM's --tokenizer-mode: "auto" picks from the model dir as vLLM does (gpt-oss ->
+    # harmony, a Mistral-format dir -> mistral, else hf).
+    tokenizer_mode: str = "auto"
     max_model_len: int = 32768
     num_gpu_blocks: int | None = None
     block_size: int = 16

@@ -38,6 +38,7 @@ from vllm_sim.embeddings import (
     parse_embedding,
 )
 from vllm_sim.engine import KVEngine, SimRequest
+from vllm_sim.engine_tokenizers import load_sim_tokenizer
 from vllm_sim.logprobs import LogprobSource, Position
 from vllm_sim.metrics import SimMetrics
 from vllm_sim.record import RequestLog, RequestRecord
@@ -258,7 +259,7 @@ class VllmSim:
 
     def __init__(self, config: SimConfig, tokenizer: SimTokenizer | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer or SimTokenizer(config.model_dir)
+        self.tokenizer = tokenizer or load_sim_tokenizer(config.model_dir, config.tokenizer_mode)
         self.max_model_len = config.effective_max_model_len
         self.engine = KVEngine(
             num_gpu_blocks=config.gpu_blocks,

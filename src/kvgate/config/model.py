@@ -332,8 +332,9 @@ class PricingConfig(_Strict):
 class ModelConfig(_Strict):
     name: str
     tokenizer: str = Field(
-        description="A local directory with tokenizer.json + tokenizer_config.json, "
-        "or a Hugging Face model id fetched once at start-up and cached."
+        description="A local directory with tokenizer.json + tokenizer_config.json (or a "
+        "Mistral tekken.json / tokenizer.model.v*), or a Hugging Face model id fetched once "
+        "at start-up and cached."
     )
     max_context: int = Field(gt=0)
     default_max_new_tokens: int = Field(gt=0)
@@ -342,6 +343,11 @@ class ModelConfig(_Strict):
     # "auto" counts with tiktoken's compiled BPE when the vocabulary passes its exactness
     # checks at load (else the reference); "reference" always uses the model's tokenizers.
     counting_engine: Literal["auto", "reference"] = "auto"
+    # The prompt path vLLM takes for this model, as its --tokenizer-mode: "auto" decides
+    # from the directory as vLLM does (gpt-oss config -> harmony; tekken.json or
+    # tokenizer.model.v* with consolidated weights, or without tokenizer.json -> mistral;
+    # else hf). Set it when vLLM is started with an explicit --tokenizer-mode.
+    tokenizer_mode: Literal["auto", "hf", "mistral", "harmony"] = "auto"
     # The semantic cache may answer this model's requests (for tenants that opt in too).
     semantic_cache: bool = False
     # Whether the exact-match cache may serve this model's sampled (temperature > 0)

@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,123 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-class PromptCounter:
+class CountingApi:
+    """What every model's counter offers; subclasses say how text and chats are counted.
+
+    A count is planned (``plan_*``: rendering, cutting, cache look-ups, cheap enough for the
+    event loop) and then finished (``finish``: the tokenizing, on a worker when large).
+    """
+
+    name: str = ""
+    # The engine that counts (a metric label) and why the fastest one was not taken.
+    engine: str = ""
+    engine_reason: str = ""
+
+    @property
+    def max_token_chars(self) -> int:
+        """No token covers more characters of text than this (a bound without tokenizing)."""
+        raise NotImplementedError
+
+    def use_cache(self, cache: SegmentCountCache | None) -> None:
+        """Share a segment-count cache (the service's); None counts everything afresh."""
+        raise NotImplementedError
+
+    def plan_text(self, text: str, *, add_special_tokens: bool, cache: bool = True) -> CountPlan:
+        raise NotImplementedError
+
+    def finish(self, plan: CountPlan) -> int:
+        raise NotImplementedError
+
+    def plan_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> CountPlan:
+        raise NotImplementedError
+
+    def count_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> int:
+        """Prompt tokens of a chat request (vLLM: render, then encode without specials).
+
+        ``add_special_tokens`` mirrors the request field of the same name (default False).
+        """
+        return self.finish(
+            self.plan_chat(
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
+        )
+
+    def count_completion(
+        self,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        *,
+        add_special_tokens: bool = True,
+    ) -> int:
+        """Prompt tokens of a completions request.
+
+        A string is encoded with special tokens (vLLM's default for completions); a list
+        of ints is already tokenized and counts as its length. A list of strings or of
+        id lists is a batch: vLLM runs one generation per prompt, so this returns the
+        SUM over the batch (what the request will occupy in total).
+        """
+        return self.finish(self.plan_completion(prompt, add_special_tokens=add_special_tokens))
+
+    def plan_completion(
+        self,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        *,
+        add_special_tokens: bool = True,
+    ) -> CountPlan:
+        """``count_completion`` up to the segments that still need tokenizing."""
+        if isinstance(prompt, str):
+            return self.plan_text(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, Sequence) or not prompt:
+            raise PromptRenderError("prompt must be a string, a list of token ids, or a batch")
+        if all(_is_token_id(t) for t in prompt):
+            return CountPlan(len(prompt), [], 0)
+        plan = CountPlan(0, [], 0)
+        for i, item in enumerate(prompt):
+            if isinstance(item, str):
+                plan = plan.merged(self.plan_text(item, add_special_tokens=add_special_tokens))
+            elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+                plan = plan.merged(CountPlan(len(item), [], 0))
+            else:
+                raise PromptRenderError(
+                    f"prompt[{i}] must be a string or a non-empty list of token ids"
+                )
+        return plan
+
+    def count_text(self, text: str) -> int:
+        """Tokens in generated text (no special tokens added)."""
+        return self.finish(self.plan_output(text))
+
+    def plan_output(self, text: str) -> CountPlan:
+        """``count_text`` up to the segments that still need tokenizing."""
+        if not isinstance(text, str):
+            raise PromptRenderError("text must be a string")
+        # Generated text is new every time: caching it would only evict prompts.
+        return self.plan_text(text, add_special_tokens=False, cache=False)
+
+
+class PromptCounter(CountingApi):
     """Counts tokens for one model. Thread-safe: holds no per-call state."""
 
     def __init__(
@@ -231,9 +347,12 @@ class PromptCounter:
 
     def finish(self, plan: CountPlan) -> int:
         """Tokenize what the plan left pending (caching each segment's count): the total."""
+        deferred = sum(job() for job in plan.deferred)
         if self._splitter is None:
-            return plan.known + sum(self._reference.count(text) for _, text in plan.pending)
-        total = plan.known
+            return (
+                plan.known + deferred + sum(self._reference.count(text) for _, text in plan.pending)
+            )
+        total = plan.known + deferred
         store = self._cache
         for key, segment in plan.pending:
             n = self._engine.count(segment)
@@ -268,31 +387,6 @@ class PromptCounter:
             chat_template_kwargs=chat_template_kwargs,
         )
 
-    def count_chat(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        add_special_tokens: bool = False,
-    ) -> int:
-        """Prompt tokens of a chat request (vLLM: render, then encode without specials).
-
-        ``add_special_tokens`` mirrors the request field of the same name (default False).
-        """
-        return self.finish(
-            self.plan_chat(
-                messages,
-                tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-                add_special_tokens=add_special_tokens,
-            )
-        )
-
     def plan_chat(
         self,
         messages: list[dict[str, Any]],
@@ -313,72 +407,24 @@ class PromptCounter:
         )
         return self.plan_text(prompt, add_special_tokens=add_special_tokens)
 
-    def count_completion(
-        self,
-        prompt: str | list[int] | list[str] | list[list[int]],
-        *,
-        add_special_tokens: bool = True,
-    ) -> int:
-        """Prompt tokens of a completions request.
-
-        A string is encoded with special tokens (vLLM's default for completions); a list
-        of ints is already tokenized and counts as its length. A list of strings or of
-        id lists is a batch: vLLM runs one generation per prompt, so this returns the
-        SUM over the batch (what the request will occupy in total).
-        """
-        return self.finish(self.plan_completion(prompt, add_special_tokens=add_special_tokens))
-
-    def plan_completion(
-        self,
-        prompt: str | list[int] | list[str] | list[list[int]],
-        *,
-        add_special_tokens: bool = True,
-    ) -> CountPlan:
-        """``count_completion`` up to the segments that still need tokenizing."""
-        if isinstance(prompt, str):
-            return self.plan_text(prompt, add_special_tokens=add_special_tokens)
-        if not isinstance(prompt, Sequence) or not prompt:
-            raise PromptRenderError("prompt must be a string, a list of token ids, or a batch")
-        if all(_is_token_id(t) for t in prompt):
-            return CountPlan(len(prompt), [], 0)
-        plan = CountPlan(0, [], 0)
-        for i, item in enumerate(prompt):
-            if isinstance(item, str):
-                plan = plan.merged(self.plan_text(item, add_special_tokens=add_special_tokens))
-            elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
-                plan = plan.merged(CountPlan(len(item), [], 0))
-            else:
-                raise PromptRenderError(
-                    f"prompt[{i}] must be a string or a non-empty list of token ids"
-                )
-        return plan
-
-    def count_text(self, text: str) -> int:
-        """Tokens in generated text (no special tokens added)."""
-        return self.finish(self.plan_output(text))
-
-    def plan_output(self, text: str) -> CountPlan:
-        """``count_text`` up to the segments that still need tokenizing."""
-        if not isinstance(text, str):
-            raise PromptRenderError("text must be a string")
-        # Generated text is new every time: caching it would only evict prompts.
-        return self.plan_text(text, add_special_tokens=False, cache=False)
-
 
 @dataclass(frozen=True)
 class CountPlan:
-    """A count in two parts: ``known`` tokens (added tokens, cached and short segments) and
-    ``pending`` segments still to tokenize, each with its cache key (None: not cached)."""
+    """A count in parts: ``known`` tokens (added tokens, cached and short segments),
+    ``pending`` segments still to tokenize, each with its cache key (None: not cached), and
+    ``deferred`` counts a library makes in one call (a whole Mistral or harmony prompt)."""
 
     known: int
     pending: list[tuple[bytes | None, str]]
     pending_chars: int
+    deferred: tuple[Callable[[], int], ...] = ()
 
     def merged(self, other: CountPlan) -> CountPlan:
         return CountPlan(
             self.known + other.known,
             [*self.pending, *other.pending],
             self.pending_chars + other.pending_chars,
+            (*self.deferred, *other.deferred),
         )
 
 

@@ -12,18 +12,25 @@ from pathlib import Path
 from kvgate.tokenize.errors import TokenizerLoadError
 
 REQUIRED_FILES = ("tokenizer.json", "tokenizer_config.json")
-# Tokenizer files plus the optional template files transformers also reads, and the
-# tiny model config.json that the KV calculator needs for the layer/head shape.
+# A Mistral-format directory holds one of these instead (mistral_common reads it).
+MISTRAL_TOKENIZER_FILES = ("tekken.json", "tokenizer.model.v*")
+# Tokenizer files plus the optional template files transformers also reads, the Mistral
+# tokenizer files and params.json, and the tiny model config.json that the KV calculator
+# needs for the layer/head shape (and that names a gpt-oss model).
 ALLOW_PATTERNS = [
     *REQUIRED_FILES,
     "chat_template.jinja",
     "additional_chat_templates/*.jinja",
     "config.json",
+    *MISTRAL_TOKENIZER_FILES,
+    "params.json",
 ]
 _TRUTHY = {"1", "on", "yes", "true"}
 
 
 def _missing(path: Path) -> list[str]:
+    if any(any(path.glob(pattern)) for pattern in MISTRAL_TOKENIZER_FILES):
+        return []
     return [name for name in REQUIRED_FILES if not (path / name).is_file()]
 
 
@@ -33,7 +40,8 @@ def _looks_like_path(source: str) -> bool:
 
 
 def resolve_tokenizer_dir(source: str, cache_dir: Path) -> Path:
-    """Return a directory holding ``tokenizer.json`` and ``tokenizer_config.json``.
+    """Return a directory holding ``tokenizer.json`` and ``tokenizer_config.json``, or a
+    Mistral tokenizer file (``tekken.json``, ``tokenizer.model.v*``).
 
     ``source`` is an existing local model directory, or a repo id such as
     ``Qwen/Qwen2.5-7B-Instruct`` whose tokenizer files are fetched into ``cache_dir``
@@ -47,7 +55,9 @@ def resolve_tokenizer_dir(source: str, cache_dir: Path) -> Path:
         missing = _missing(local)
         if missing:
             raise TokenizerLoadError(
-                source, f"the directory has no {', '.join(missing)} (a fast tokenizer is needed)"
+                source,
+                f"the directory has no {', '.join(missing)} (a fast tokenizer is needed) "
+                "and no Mistral tokenizer file (tekken.json, tokenizer.model.v*)",
             )
         return local.resolve()
     if local.exists() or _looks_like_path(source):

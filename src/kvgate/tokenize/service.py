@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from kvgate.tokenize.counter import CountPlan, PromptCounter
+from kvgate.tokenize.counter import CountingApi, CountPlan
 from kvgate.tokenize.segments import CacheStats, SegmentCountCache
 
 THREAD_NAME_PREFIX = "kvgate-tokenize"
@@ -344,7 +344,7 @@ class TokenizerService:
         inline_max_cost: int = 0,
     ) -> None:
         """``inline_max_cost``: characters left to tokenize that are done on the loop."""
-        self._counters: dict[str, PromptCounter] = {}
+        self._counters: dict[str, CountingApi] = {}
         self.inline_max_cost = inline_max_cost
         self._cache = SegmentCountCache(cache_size)
         self._scheduler = _FairScheduler(
@@ -358,7 +358,7 @@ class TokenizerService:
 
     # -- registry -----------------------------------------------------------------------
 
-    def register(self, model_name: str, counter: PromptCounter) -> None:
+    def register(self, model_name: str, counter: CountingApi) -> None:
         # Each counter keys its own cache entries: a swapped tokenizer never reads old counts.
         counter.use_cache(self._cache)
         self._counters[model_name] = counter
@@ -369,7 +369,7 @@ class TokenizerService:
     def models(self) -> list[str]:
         return sorted(self._counters)
 
-    def counter(self, model: str) -> PromptCounter:
+    def counter(self, model: str) -> CountingApi:
         """The model's counter; ``KeyError`` if the model is not registered."""
         try:
             return self._counters[model]
@@ -481,7 +481,7 @@ class TokenizerService:
         tenant: str,
         cost: int,
         bounded: bool,
-        counter: PromptCounter,
+        counter: CountingApi,
         plan: Callable[[], CountPlan],
     ) -> int:
         """Plan on the loop (render, cut, cache lookups), tokenize what is left on a worker

@@ -1,0 +1,105 @@
+"""Which of vLLM's prompt paths a model takes, and the counter that reproduces it.
+
+* ``hf``: the Hugging Face tokenizer and chat template (``PromptCounter``).
+* ``mistral``: vLLM's mistral tokenizer mode, ``mistral_common`` (``MistralPromptCounter``).
+* ``harmony``: gpt-oss, whose chats vLLM renders with the harmony library whatever the
+  tokenizer mode (``HarmonyPromptCounter``; completions and output as ``hf``).
+
+``auto`` decides from the model directory as vLLM does: a ``config.json`` whose
+``model_type`` is ``gpt_oss`` is harmony; a Mistral tokenizer file (``tekken.json`` or
+``tokenizer.model.v*``) is the mistral mode when the directory also holds Mistral-format
+weights (``consolidated*.safetensors``, vLLM's own condition) or has no ``tokenizer.json``
+(a Mistral-format-only directory, which nothing but mistral_common can read); anything
+else is ``hf``. A model served with an explicit ``--tokenizer-mode`` takes the same
+setting here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from kvgate.tokenize.counter import CountingApi, PromptCounter
+from kvgate.tokenize.errors import TokenizerLoadError
+
+TokenizerMode = Literal["auto", "hf", "mistral", "harmony"]
+ResolvedMode = Literal["hf", "mistral", "harmony"]
+
+MISTRAL_TOKENIZER_PATTERNS = ("tekken.json", "tokenizer.model.v*")
+MISTRAL_WEIGHTS_PATTERN = "consolidated*.safetensors"
+HARMONY_MODEL_TYPE = "gpt_oss"
+
+
+def _has(names: list[str], pattern: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for name in names)
+
+
+def model_type(model_dir: Path) -> str | None:
+    """``model_type`` from the directory's config.json, if it has a readable one."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("model_type") if isinstance(config, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def detect_tokenizer_mode(model_dir: Path) -> ResolvedMode:
+    """``auto`` resolved for this directory (see the module docstring)."""
+    if model_type(model_dir) == HARMONY_MODEL_TYPE:
+        return "harmony"
+    try:
+        names = os.listdir(model_dir)
+    except OSError:
+        return "hf"
+    if any(_has(names, p) for p in MISTRAL_TOKENIZER_PATTERNS) and (
+        _has(names, MISTRAL_WEIGHTS_PATTERN) or "tokenizer.json" not in names
+    ):
+        return "mistral"
+    return "hf"
+
+
+def resolve_tokenizer_mode(configured: str, model_dir: Path) -> ResolvedMode:
+    """The mode to count in; a setting that cannot match what vLLM does is refused."""
+    detected = detect_tokenizer_mode(model_dir)
+    if configured == "auto":
+        return detected
+    if configured not in ("hf", "mistral", "harmony"):
+        raise TokenizerLoadError(str(model_dir), f"unknown tokenizer_mode {configured!r}")
+    gpt_oss = model_type(model_dir) == HARMONY_MODEL_TYPE
+    if gpt_oss and configured != "harmony":
+        raise TokenizerLoadError(
+            str(model_dir),
+            f"tokenizer_mode {configured!r} on a gpt-oss model: vLLM renders its chats with "
+            "harmony whatever the tokenizer mode (use harmony or auto)",
+        )
+    if configured == "harmony" and not gpt_oss and model_type(model_dir) is not None:
+        raise TokenizerLoadError(
+            str(model_dir),
+            "tokenizer_mode harmony on a model whose config.json is not gpt_oss: vLLM "
+            "renders its chats with the chat template",
+        )
+    return configured  # type: ignore[return-value]
+
+
+def load_counter(
+    model_dir: Path | str,
+    *,
+    name: str = "",
+    counting_engine: str = "auto",
+    tokenizer_mode: str = "auto",
+) -> CountingApi:
+    """The counter for ``model_dir`` in the mode vLLM serves it in."""
+    path = Path(model_dir)
+    mode = resolve_tokenizer_mode(tokenizer_mode, path)
+    if mode == "mistral":
+        from kvgate.tokenize.mistral import MistralPromptCounter
+
+        return MistralPromptCounter.from_model_dir(path, name=name)
+    if mode == "harmony":
+        # Counted as hf it would undercount every chat: refuse to start instead.
+        raise TokenizerLoadError(str(path), "gpt-oss (harmony) chats cannot be counted yet")
+    return PromptCounter.from_model_dir(path, name=name, counting_engine=counting_engine)
