@@ -30,6 +30,20 @@ pytest.importorskip("wordllama")
 
 RESULTS = Path(__file__).parents[2] / "bench" / "results" / "issue12" / "semantic_threshold.json"
 SETTINGS = SemanticCacheConfig(enabled=True)
+# A whole chat completion: only complete answers are kept.
+PARIS = json.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Paris"},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+).encode()
 
 
 def chat(question: Any, *, system: str = "Be brief.", **extra: Any) -> ParsedRequest:
@@ -173,7 +187,7 @@ async def _answer(cache: SemanticCache, question: str, tasks: Tasks, body: bytes
 
 async def test_a_surface_paraphrase_hits_and_a_near_miss_does_not(cache: SemanticCache) -> None:
     tasks = Tasks()
-    await _answer(cache, "What is the capital of France?", tasks, b'{"answer": "Paris"}')
+    await _answer(cache, "What is the capital of France?", tasks, PARIS)
 
     async def ask(question: str) -> Any:
         query = semantic_query(chat(question), "t", SETTINGS)
@@ -182,7 +196,7 @@ async def test_a_surface_paraphrase_hits_and_a_near_miss_does_not(cache: Semanti
 
     hit = await ask("Hello! What is the capital of France, please?")
     assert hit.result is SemanticResult.HIT
-    assert hit.answer == StoredAnswer(200, "application/json", b'{"answer": "Paris"}', 20, 5)
+    assert hit.answer == StoredAnswer(200, "application/json", PARIS, 20, 5)
     assert DEFAULT_THRESHOLDS[GuardLevel.STRICT] <= hit.similarity < 1.0
     for near_miss in ("What is the capital of Germany?", "What is not the capital of France?"):
         missed = await ask(near_miss)
@@ -209,7 +223,7 @@ async def test_a_cut_answer_is_neither_stored_nor_indexed(cache: SemanticCache) 
 
 async def test_an_entry_whose_answer_is_gone_is_a_miss_and_forgotten(cache: SemanticCache) -> None:
     tasks = Tasks()
-    await _answer(cache, "How tall is Mont Blanc?", tasks, b"{}")
+    await _answer(cache, "How tall is Mont Blanc?", tasks, PARIS)
     await cache.answers.close()  # the memory store drops every answer (as eviction would)
     query = semantic_query(chat("How tall is Mont Blanc?"), "t", SETTINGS)
     assert query is not None
