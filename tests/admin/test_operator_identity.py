@@ -12,10 +12,8 @@ import grpc
 import pytest
 import yaml
 
-from kvgate.admin.identity import PeerIdentity, identity_from_peercert, is_allowed
 from kvgate.app import KvgateServer
 from kvgate.config import ConfigError, parse_config
-from kvgate.config.model import ClientIdentitiesConfig
 from tests.admin.pki import Pki, make_pki, needs_openssl
 from tests.admin.support import start_server
 from tests.admin.test_operator_tls import client_context, grpc_channel, https_get, tls_section
@@ -73,6 +71,9 @@ def test_allow_list_is_validated() -> None:
 
 
 def test_matching_rules() -> None:
+    from kvgate.admin.identity import PeerIdentity, is_allowed
+    from kvgate.config.model import ClientIdentitiesConfig
+
     allowed = ClientIdentitiesConfig(**ALLOWED)
     assert is_allowed(allowed, PeerIdentity(uri_sans=(WORKLOAD_ID, OPERATOR_ID)))
     assert is_allowed(allowed, PeerIdentity(dns_sans=("OPS-console.example.com",)))
@@ -86,6 +87,8 @@ def test_matching_rules() -> None:
 
 
 def test_identity_from_a_python_peer_certificate() -> None:
+    from kvgate.admin.identity import PeerIdentity, identity_from_peercert
+
     peercert = {
         "subject": ((("organizationName", "ops"),), (("commonName", "break-glass"),)),
         "subjectAltName": (("URI", OPERATOR_ID), ("DNS", "a.example"), ("IP Address", "10.0.0.1")),
