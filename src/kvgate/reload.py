@@ -78,6 +78,7 @@ FIELD_CLASSES: dict[str, str] = {
     "redis.probe_interval_s": RESTART,
     "redis.max_pending_settlements": RESTART,
     "redis.settled_id_retention_s": RESTART,
+    "redis.answer_store_max_memory_fraction": RESTART,  # the answer store is built once
     "redis.max_connections": RESTART,
     "redis.cluster": RESTART,
     "redis.sentinel.master": RESTART,
@@ -180,6 +181,8 @@ FIELD_CLASSES: dict[str, str] = {
     "idempotency.max_wait_s": RELOAD,
     "idempotency.max_answer_bytes": RELOAD,
     "idempotency.memory_max_bytes": RESTART,
+    "idempotency.tenant_max_bytes": RELOAD,  # passed with every claim
+    "idempotency.max_waiting_per_tenant": RELOAD,
     "response_cache.enabled": RELOAD,
     "response_cache.ttl_s": RELOAD,
     "response_cache.scope": RELOAD,
@@ -187,6 +190,7 @@ FIELD_CLASSES: dict[str, str] = {
     "response_cache.hit_charge": RELOAD,
     "response_cache.max_answer_bytes": RELOAD,
     "response_cache.memory_max_bytes": RESTART,
+    "response_cache.tenant_max_bytes": RELOAD,  # passed with every claim
     # The embedder and the index are built at start; the rest is read per request.
     "semantic_cache.enabled": RESTART,
     **{
@@ -220,6 +224,7 @@ FIELD_CLASSES: dict[str, str] = {
         )
     },
     "tenants.*.semantic_cache": RELOAD,
+    "tenants.*.cache_sharing": RELOAD,
     "models.*.semantic_cache": RELOAD,
     "models.*.response_cache_sampled": RELOAD,
     "models.*.cache_generation": RELOAD,

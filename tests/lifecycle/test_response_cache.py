@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from kvgate.config.model import ModelConfig, ResponseCacheConfig, TenantConfig
-from kvgate.lifecycle.response_cache import cache_key, cacheable, deterministic
+from kvgate.lifecycle.digest import body_digest
+from kvgate.lifecycle.response_cache import (
+    SHARED_SCOPE,
+    cache_key,
+    cache_scope,
+    cacheable,
+    deterministic,
+)
 from kvgate.openai import CHAT_PATH, ParsedRequest, parse_request
 
 ON = ResponseCacheConfig(enabled=True)
@@ -63,7 +70,28 @@ def test_a_tenant_may_opt_in_or_out_of_the_cache() -> None:
     assert cacheable(greedy, off, tenant(response_cache=True), model())
 
 
+def _key(request: ParsedRequest, **parts: str) -> str:
+    fields = {"scope": "tenant\x00t", "served_by": "vllm", "generation": "", **parts}
+    return cache_key(request, digest=body_digest(request.body), **fields)
+
+
 def test_a_new_cache_generation_is_a_new_key() -> None:
     request = chat(temperature=0)
-    assert cache_key(request, "t", ON) == cache_key(request, "t", ON, "")
-    assert cache_key(request, "t", ON, "weights-1") != cache_key(request, "t", ON, "weights-2")
+    assert _key(request) == _key(request, generation="")
+    assert _key(request, generation="weights-1") != _key(request, generation="weights-2")
+
+
+def test_the_key_names_what_serves_the_request() -> None:
+    request = chat(temperature=0)
+    assert _key(request, served_by="vllm") != _key(request, served_by="canary-pool")
+    assert _key(request, scope="tenant\x00a") != _key(request, scope="tenant\x00b")
+
+
+def test_entries_are_shared_only_between_tenants_that_both_opt_in() -> None:
+    greedy, sampled = chat(temperature=0).body, chat(temperature=0.7).body
+    sharing = tenant(cache_sharing=True)
+    assert cache_scope(True, "a", sharing, greedy) == SHARED_SCOPE
+    assert cache_scope(True, "a", tenant(), greedy) == "tenant\x00a"
+    assert cache_scope(False, "a", sharing, greedy) == "tenant\x00a"
+    # A sampled answer is never another tenant's, whatever both opted in to.
+    assert cache_scope(True, "a", sharing, sampled) == "tenant\x00a"

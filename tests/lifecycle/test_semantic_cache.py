@@ -90,11 +90,13 @@ def test_only_the_last_user_turn_may_differ() -> None:
         assert query is not None and query.context != base.context
 
 
-def test_contexts_are_per_tenant_unless_shared_per_model() -> None:
+def test_contexts_are_per_scope() -> None:
     request = chat("What is the capital of France?")
-    assert semantic_query(request, "a", SETTINGS) != semantic_query(request, "b", SETTINGS)
-    shared = SemanticCacheConfig(enabled=True, scope="model")
-    assert semantic_query(request, "a", shared) == semantic_query(request, "b", shared)
+    a, b = "tenant\x00a", "tenant\x00b"
+    assert semantic_query(request, a, SETTINGS) != semantic_query(request, b, SETTINGS)
+    assert semantic_query(request, "shared", SETTINGS) == semantic_query(
+        request, "shared", SETTINGS
+    )
 
 
 @pytest.mark.parametrize(

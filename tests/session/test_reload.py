@@ -198,6 +198,7 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "redis.probe_interval_s": {"redis.probe_interval_s": 3.0},
     "redis.max_pending_settlements": {"redis.max_pending_settlements": 5},
     "redis.settled_id_retention_s": {"redis.settled_id_retention_s": 60.0},
+    "redis.answer_store_max_memory_fraction": {"redis.answer_store_max_memory_fraction": 0.5},
     "redis.max_connections": {"redis.max_connections": 8},
     "redis.cluster": {"redis.cluster": True, "redis.sentinel": None},
     "redis.sentinel.master": {"redis.sentinel.master": "other"},

@@ -277,6 +277,10 @@ class TenantConfig(_Strict):
     # The response cache for this tenant: None follows response_cache.enabled / .sampled.
     response_cache: bool | None = None
     response_cache_sampled: bool | None = None
+    # With a cache's `scope: model`, this tenant's deterministic answers are shared with,
+    # and it is served those of, other tenants that opt in too. Off: its entries are its own.
+    # A shared entry tells a tenant, by the speed of its answer, that another asked first.
+    cache_sharing: bool = False
     # The semantic cache serves this tenant only if it opts in (and the model does too).
     semantic_cache: bool = False
     api_key_sha256: list[str] | str = Field(
@@ -634,6 +638,10 @@ class RedisConfig(_Strict):
     # outlast the longest outage (about 100 bytes each in Redis: rate x retention).
     # Settlements of Redis leases need no window: their billing record is consumed once.
     settled_id_retention_s: float = Field(default=86_400.0, ge=1)
+    # Redis runs with noeviction: at maxmemory every write fails, reserves included. Past
+    # this fraction of maxmemory the answer store (idempotency keys, cached answers) takes
+    # no new entries, so admission keeps its room.
+    answer_store_max_memory_fraction: float = Field(default=0.8, gt=0, le=0.95)
     # Redis calls in flight at once per replica (and connections per Redis node).
     max_connections: int = Field(default=64, ge=1, le=10_000)
     # The URL is one node of a Redis Cluster.
@@ -692,6 +700,9 @@ class ResponseCacheConfig(_Strict):
     hit_charge: Literal["free", "full"] = "free"
     max_answer_bytes: int = Field(default=1024 * 1024, ge=1024)
     memory_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    # What one tenant's cached answers (both caches) may hold at once; past it new answers
+    # are not cached (nothing of another tenant's is ever evicted for them).
+    tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=64 * 1024)
 
 
 class SemanticEmbedderConfig(_Strict):
@@ -780,6 +791,12 @@ class IdempotencyConfig(_Strict):
     max_answer_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     # The memory store's bound (all keys of this process); Redis keeps its own.
     memory_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    # What one tenant's keys and their answers may hold at once (each replica's memory
+    # store, or Redis for all replicas): past it a new key is 429, an answer that does not
+    # fit leaves a marker (a duplicate gets 409, never a second generation).
+    tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=64 * 1024)
+    # Duplicates of one tenant waiting for running requests, per replica (then 429).
+    max_waiting_per_tenant: int = Field(default=16, ge=1, le=10_000)
 
 
 class KvgateConfig(_Strict):
@@ -806,6 +823,43 @@ class KvgateConfig(_Strict):
     @property
     def uses_redis(self) -> bool:
         return self.store != "memory"
+
+    def _one_message_waits_fit(self) -> None:
+        """Envoy extends a message's timeout once: every wait one request body may do (its
+        Idempotency-Key's, a pool's queue, the budget fallback model's pool's queue) must
+        fit the one extension kvgate asks for."""
+        server = self.server
+        queue_waits = {b.name: b.queue.max_wait_s for b in self.backends if b.queue is not None}
+        if not queue_waits:
+            return
+        models = {m.name: m.backend for m in self.models}
+        fallback_wait = max(
+            (
+                queue_waits.get(models.get(t.budget.fallback_model, ""), 0.0)
+                for t in self.tenants
+                if t.budget is not None and t.budget.fallback_model
+            ),
+            default=0.0,
+        )
+        key_wait = self.idempotency.max_wait_s if self.idempotency.enabled else 0.0
+        # A route may name any backend: the longest queue is the one to fit.
+        total = (
+            key_wait
+            + max(queue_waits.values())
+            + fallback_wait
+            + server.decision_timeout_s
+            + QUEUE_DEADLINE_MARGIN_S
+        )
+        if total > server.envoy_max_message_timeout_s:
+            raise ValueError(
+                f"one request may wait {total:g} s in all (idempotency.max_wait_s "
+                f"{key_wait:g} s + the longest queue's max_wait_s "
+                f"{max(queue_waits.values()):g} s + a budget fallback pool's queue "
+                f"{fallback_wait:g} s + server.decision_timeout_s "
+                f"{server.decision_timeout_s:g} s + {QUEUE_DEADLINE_MARGIN_S:g} s), over "
+                f"server.envoy_max_message_timeout_s ({server.envoy_max_message_timeout_s:g} s,"
+                " Envoy's max_message_timeout, which it extends once per message)"
+            )
 
     @model_validator(mode="after")
     def _cross_references(self) -> KvgateConfig:
@@ -851,6 +905,7 @@ class KvgateConfig(_Strict):
                 f"server.decision_timeout_s + {QUEUE_DEADLINE_MARGIN_S:g} s is over "
                 f"server.envoy_max_message_timeout_s ({server.envoy_max_message_timeout_s:g} s)"
             )
+        self._one_message_waits_fit()
         for i, backend in enumerate(self.backends):
             queue = backend.queue
             if queue is not None and (

@@ -50,8 +50,9 @@ class RuntimeSnapshot:
     priorities: Mapping[str, tuple[int, frozenset[int]]] = field(
         default_factory=lambda: MappingProxyType({})
     )
-    # Pools with a queue: their requests may wait for room.
+    # Pools with a queue: their requests may wait for room (at most this long).
     queued_pools: frozenset[str] = frozenset()
+    queue_waits: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     # The tenants' own settings beyond their limits (response cache opt-in, ...).
     tenant_configs: Mapping[str, TenantConfig] = field(default_factory=lambda: MappingProxyType({}))
     # The models' own settings beyond their route (semantic cache opt-in, ...).
@@ -137,6 +138,9 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
             {t.name: (t.priority, frozenset(t.allowed_priorities)) for t in config.tenants}
         ),
         queued_pools=frozenset(b.name for b in config.backends if b.queue is not None),
+        queue_waits=MappingProxyType(
+            {b.name: b.queue.max_wait_s for b in config.backends if b.queue is not None}
+        ),
         tenant_configs=MappingProxyType({t.name: t for t in config.tenants}),
         model_configs=MappingProxyType({m.name: m for m in config.models}),
     )

@@ -21,6 +21,7 @@ from kvgate.lifecycle import (
     Settler,
     Ticket,
 )
+from kvgate.lifecycle.idempotency import TenantWaiters
 from kvgate.lifecycle.scheduler import PoolScheduler
 from kvgate.lifecycle.semantic_cache import SemanticCache
 from kvgate.metrics import Metrics
@@ -69,6 +70,8 @@ class GatewayServices:
         )
         # Similar questions' answers (None: the semantic cache is off).
         self.semantic_cache = semantic_cache
+        # Duplicates waiting on a running Idempotency-Key, per tenant (bounded).
+        self.idempotency_waiters = TenantWaiters()
         self.snapshots = snapshots
         self.store = store
         self.tokenizers = tokenizers

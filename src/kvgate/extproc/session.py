@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import functools
 import json
@@ -34,7 +35,13 @@ from kvgate.config import hash_api_key
 from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages
 from kvgate.extproc.handoff import METADATA_KEY
-from kvgate.extproc.outcomes import Answer, answer_headers, api_error
+from kvgate.extproc.outcomes import (
+    CLAMP_HEADER,
+    FALLBACK_HEADER,
+    Answer,
+    answer_headers,
+    api_error,
+)
 from kvgate.extproc.priority_header import parse_priority_class
 from kvgate.extproc.route_settings import (
     BACKEND_KEY,
@@ -45,10 +52,15 @@ from kvgate.extproc.route_settings import (
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Rejected, Rejection, ResponseMeter, ResponseReading, Ticket
 from kvgate.lifecycle.admission import rejection_of
+from kvgate.lifecycle.digest import body_digest
 from kvgate.lifecycle.idempotency import AnswerRecorder, KeyVerdict, claim_key
 from kvgate.lifecycle.response_cache import (
+    SHARED_SCOPE,
     CacheLookup,
     CacheResult,
+    cache_key,
+    cache_quota,
+    cache_scope,
     cacheable,
     charge_hit,
 )
@@ -91,6 +103,9 @@ PARSE_OFF_LOOP_BYTES = 256 * 1024
 # instead of chunk by chunk. Well below the 8 MiB buffer limit of the shipped configs:
 # Envoy fails a BUFFERED body over its limit, so larger or unsized answers stay STREAMED.
 BUFFERED_ANSWER_MAX_BYTES = 1024 * 1024
+# A tenant with no room for another Idempotency-Key: when to try again (its oldest keys
+# are not known to the replica; a minute is the scale on which keys and answers expire).
+KEYS_EXHAUSTED_RETRY_S = 60
 # HTTP's optional whitespace (RFC 9110 5.6.3): the only padding trimmed from a credential.
 # str.strip() would also drop U+00A0, U+3000, U+2028, U+0085 ..., so "key\u3000" would
 # authenticate as "key".
@@ -144,6 +159,19 @@ class _RouteRefusal(Exception):
     def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _AnswerSources:
+    """The answer sources that may answer a request, in the order they are asked."""
+
+    idempotency: bool = False
+    exact: bool = False
+    semantic: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.idempotency or self.exact or self.semantic
 
 
 def _small_json_answer(content_type: str, content_length: str) -> bool:
@@ -202,6 +230,10 @@ class StreamSession:
         self._cache_header: str = CacheResult.BYPASS.value
         self._deadline: asyncio.Timeout | None = None
         self._interim: asyncio.Future[pb.ProcessingResponse] | None = None
+        # When the request body's message arrived (loop time), and whether its deadlines
+        # were extended for its waits (Envoy takes one extension per message).
+        self._message_started = 0.0
+        self._wait_extended = False
 
     # ------------------------------------------------------------------ dispatch
 
@@ -437,6 +469,7 @@ class StreamSession:
         # the stream). So this message is the admission point, always; nothing that follows
         # can carry more body.
         started = time.perf_counter()
+        self._message_started = asyncio.get_running_loop().time()
         trace_start = time.time_ns() if self._tracing is not None else 0
         deadline = self._snapshot.config.server.decision_timeout_s
         try:
@@ -492,18 +525,31 @@ class StreamSession:
             # have access to it".
             raise _RouteRefusal(api_errors.model_not_found(request.model))
         admission_id = _admission_id(self.request_id)
-        if self._idempotency_key is not None:
-            answered = await self._claim_idempotency_key(request, admission_id)
-            if answered is not None:
-                return answered
-        try:
-            if not self._answer_seen_elsewhere:
-                answered = await self._response_cache(request, admission_id)
-                if answered is None:
-                    answered = await self._semantic_cache(request, admission_id)
+        admission = self._svc.admission(self._snapshot)
+        sources = self._answer_sources(request)
+        slot_taken = False
+        digest = ""
+        if sources.any:
+            # What the answer layer does for a tenant is a request it made: the RPM slot is
+            # taken first, in O(1), so a tenant over its limit gets its 429 before any of
+            # the body is digested, looked up, embedded or waited on.
+            slot_taken = await admission.take_request_slot(
+                request, self._tenant_policy, admission_id
+            )
+            digest = await self._digest(request)
+            if sources.idempotency:
+                answered = await self._claim_idempotency_key(admission_id, digest)
                 if answered is not None:
                     return answered
-            ticket = await self._svc.admission(self._snapshot).admit(
+        try:
+            answered = None
+            if sources.exact:
+                answered = await self._response_cache(request, admission_id, digest)
+            if answered is None and sources.semantic:
+                answered = await self._semantic_cache(request, admission_id)
+            if answered is not None:
+                return answered
+            ticket = await admission.admit(
                 request,
                 self._tenant_policy,
                 self.request_id,
@@ -511,6 +557,7 @@ class StreamSession:
                 priority=self._priority,
                 on_queued=self._on_queued,
                 backend=route.backend if isinstance(route, RouteSettings) else None,
+                slot_taken=slot_taken,
             )
         except BaseException:
             # Refused, or the client left: nothing ran, so a retry with the key runs anew.
@@ -518,6 +565,7 @@ class StreamSession:
                 recorder.abandon()
             self._recorders.clear()
             raise
+        self._keep_what_serves(ticket)
         # Exact output counts need the usage event; when the client did not ask for it, the
         # response meter strips it again before the client sees it. An observing stream
         # cannot strip anything, so in the split layout nothing is injected.
@@ -552,17 +600,111 @@ class StreamSession:
             route_headers, new_body=new_body, dynamic_metadata=self._metadata("admitted")
         )
 
+    def _answer_sources(self, request: ParsedRequest) -> _AnswerSources:
+        """Which answer sources may answer this request: config and O(1) checks only."""
+        assert self.tenant is not None
+        if self._answer_seen_elsewhere:
+            # The split layout's request path never sees the answer: it cannot be kept.
+            return _AnswerSources()
+        snapshot = self._snapshot
+        config = snapshot.config
+        tenant_config = snapshot.tenant_configs.get(self.tenant)
+        model = snapshot.model_configs.get(request.model)
+        exact = cacheable(request, config.response_cache, tenant_config, model)
+        if not exact:
+            self._svc.metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
+        return _AnswerSources(
+            idempotency=self._idempotency_key is not None,
+            exact=exact,
+            semantic=self._svc.semantic_cache is not None
+            and semantic_applies(config.semantic_cache, tenant_config, model),
+        )
+
+    async def _digest(self, request: ParsedRequest) -> str:
+        """The body's one canonical digest (key order and spacing aside), off the event loop
+        in the tenant's fair share of the workers when the body is large."""
+        if request.body_bytes <= PARSE_OFF_LOOP_BYTES:
+            return body_digest(request.body)
+        assert self.tenant is not None
+        try:
+            return await self._svc.tokenizers.run(
+                self.tenant,
+                functools.partial(body_digest, request.body),
+                cost=request.body_bytes,
+            )
+        except TokenizerBusy as busy:
+            raise Rejected(
+                Rejection(
+                    Reason.COUNTING_BUSY,
+                    "Too many of your requests are waiting to be read; "
+                    "retry when some have been answered.",
+                    retry_after_s=busy.retry_after_s,
+                )
+            ) from None
+
+    def _keep_what_serves(self, ticket: Ticket) -> None:
+        """What is stored must be what was asked: an answer from another model (a budget
+        fallback) or with fewer tokens (a clamp) is kept for the Idempotency-Key (with the
+        headers that say so, replayed) but never cached as the request's answer."""
+        describing = {
+            name: value
+            for name, value in answer_headers(ticket).items()
+            if name in (FALLBACK_HEADER, CLAMP_HEADER)
+        }
+        if not describing:
+            return
+        kept: list[AnswerRecorder] = []
+        for recorder in self._recorders:
+            if recorder is self._key_recorder:
+                recorder.describe(describing)
+                kept.append(recorder)
+            else:
+                recorder.abandon()
+                self._svc.metrics.answers_not_stored.labels("served_otherwise").inc()
+        if len(kept) != len(self._recorders):
+            self._cache_header = CacheResult.BYPASS.value
+        self._recorders = kept
+
+    def _message_wait_s(self) -> float:
+        """The longest the request body's message may wait in all: its Idempotency-Key's
+        wait, then its pool's queue, then the budget fallback model's pool's queue."""
+        snapshot = self._snapshot
+        waits = snapshot.queue_waits
+        wait = snapshot.config.idempotency.max_wait_s if self._idempotency_key else 0.0
+        request, policy = self._request, self._tenant_policy
+        route = snapshot.models.get(request.model) if request is not None else None
+        if route is not None:
+            settings = self._route
+            backend = route.backend
+            if isinstance(settings, RouteSettings) and settings.backend is not None:
+                backend = settings.backend
+            wait += waits.get(backend, 0.0)
+        fallback = policy.fallback_model if policy is not None else None
+        fallback_route = snapshot.models.get(fallback) if fallback else None
+        if fallback_route is not None:
+            wait += waits.get(fallback_route.backend, 0.0)
+        return wait
+
     def _on_queued(self, max_wait_s: float) -> None:
-        """The request waits in its pool's queue: move kvgate's own decision deadline and
-        ask Envoy (override_message_timeout, up to the filter's max_message_timeout) to
-        wait as long, so neither answers with a timeout while the request is in line."""
+        """The request starts waiting (an Idempotency-Key's first run, a pool's queue):
+        move kvgate's own decision deadline and ask Envoy (override_message_timeout, up to
+        the filter's max_message_timeout) to wait as long, so neither answers with a timeout
+        while the request is in line. Envoy extends a message's timeout once, so the first
+        wait extends both for every wait the message may still do."""
+        del max_wait_s  # the whole message's bound is known in advance
+        if self._wait_extended:
+            return
+        self._wait_extended = True
         server = self._snapshot.config.server
-        budget = max_wait_s + server.decision_timeout_s
+        now = asyncio.get_running_loop().time()
+        ends_at = self._message_started + self._message_wait_s() + server.decision_timeout_s
         if self._deadline is not None:
-            self._deadline.reschedule(asyncio.get_running_loop().time() + budget)
+            self._deadline.reschedule(ends_at)
         interim = self._interim
         if interim is not None and not interim.done():
-            interim.set_result(messages.override_message_timeout(budget + QUEUE_DEADLINE_MARGIN_S))
+            interim.set_result(
+                messages.override_message_timeout(ends_at - now + QUEUE_DEADLINE_MARGIN_S)
+            )
 
     def wants_interim(self, message: pb.ProcessingRequest) -> bool:
         """Whether this message's decision may wait in a pool's queue, so that the servicer
@@ -596,28 +738,28 @@ class StreamSession:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def _claim_idempotency_key(
-        self, request: ParsedRequest, owner: str
-    ) -> pb.ProcessingResponse | None:
+    async def _claim_idempotency_key(self, owner: str, digest: str) -> pb.ProcessingResponse | None:
         """Run (None: admission goes on), or answer from the key: the stored answer, 422
-        for another body, 409 while the first request still runs."""
+        for another body, 409 while the first request still runs or when its answer was
+        not kept, 429 when the tenant has no room for another key or waiter."""
         assert self._idempotency_key is not None and self.tenant is not None
-        if self._answer_seen_elsewhere:
-            # The split layout's request path never sees the answer: it cannot be kept.
-            return None
         store = self._svc.idempotency
         settings = self._snapshot.config.idempotency
+        metrics = self._svc.metrics
         try:
             outcome = await claim_key(
                 store,
                 settings,
                 tenant=self.tenant,
                 key=self._idempotency_key,
-                body=request.body,
+                fingerprint=digest,
                 owner=owner,
                 lock_ttl_s=self._snapshot.config.server.lease_ttl_s,
                 on_wait=self._on_queued,
                 track=self._svc.track,
+                waiters=self._svc.idempotency_waiters,
+                on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
+                stream=self._request.stream if self._request is not None else None,
             )
         except (TimeoutError, RedisError, OSError) as exc:
             config = self._snapshot.config
@@ -630,35 +772,47 @@ class StreamSession:
                         retry_after_s=config.redis.unavailable_retry_after_s,
                     )
                 ) from exc
+            # fail_open: the request runs without its key's protection (counted): a retry
+            # while the store is down may run again, and is charged again.
+            metrics.idempotent_requests.labels("unchecked").inc()
             log.warning("idempotency store unavailable; the request runs unchecked: %s", exc)
             return None
-        metrics = self._svc.metrics
         if isinstance(outcome, AnswerRecorder):
             self._recorders.append(outcome)
             self._key_recorder = outcome
             metrics.idempotent_requests.labels("started").inc()
             return None
+        metrics.idempotent_requests.labels(outcome.verdict.value).inc()
         if outcome.verdict is KeyVerdict.REPLAY:
             assert outcome.answer is not None
             answer = outcome.answer
-            metrics.idempotent_requests.labels("replayed").inc()
             metrics.requests.labels("answered", "idempotent_replay").inc()
             self.phase = Phase.REJECTED  # answered by kvgate: nothing to meter
             return messages.immediate_response(
                 answer.status,
                 answer.body,
-                {"content-type": answer.content_type, "idempotent-replayed": "true"},
+                {
+                    **dict(answer.headers),
+                    "content-type": answer.content_type,
+                    "idempotent-replayed": "true",
+                },
                 details="kvgate_idempotent_replay",
                 dynamic_metadata=self._metadata("idempotent_replay"),
             )
+        if outcome.verdict is KeyVerdict.NOT_KEPT:
+            assert outcome.answer is not None
+            raise api_errors.idempotency_answer_not_kept(outcome.answer.not_kept)
         if outcome.verdict is KeyVerdict.MISMATCH:
-            metrics.idempotent_requests.labels("key_reused").inc()
             raise api_errors.idempotency_key_reused()
-        metrics.idempotent_requests.labels("in_progress").inc()
+        if outcome.verdict is KeyVerdict.TOO_MANY_WAITING:
+            raise api_errors.idempotency_waiters_exceeded(retry_after_s=1)
+        if outcome.verdict is KeyVerdict.QUOTA_EXHAUSTED:
+            metrics.answers_not_stored.labels("no_room").inc()
+            raise api_errors.idempotency_keys_exhausted(retry_after_s=KEYS_EXHAUSTED_RETRY_S)
         raise api_errors.idempotency_key_in_progress(retry_after_s=1)
 
     async def _response_cache(
-        self, request: ParsedRequest, owner: str
+        self, request: ParsedRequest, owner: str, digest: str
     ) -> pb.ProcessingResponse | None:
         """The stored answer for an identical request (a hit), or None: the request runs,
         and on a miss its complete answer is stored."""
@@ -667,19 +821,34 @@ class StreamSession:
         settings = config.response_cache
         metrics = self._svc.metrics
         model = self._snapshot.model_configs.get(request.model)
-        if not cacheable(request, settings, self._snapshot.tenant_configs.get(self.tenant), model):
-            metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
-            return None
+        route = self._snapshot.models.get(request.model)
+        if route is None:
+            return None  # admission answers model_not_found
+        settings_backend = self._route.backend if isinstance(self._route, RouteSettings) else None
+        scope = cache_scope(
+            settings.scope == "model",
+            self.tenant,
+            self._snapshot.tenant_configs.get(self.tenant),
+            request.body,
+        )
+        key = cache_key(
+            request,
+            scope=scope,
+            digest=digest,
+            served_by=settings_backend or route.backend,
+            generation=model.cache_generation if model is not None else "",
+        )
         try:
             found = await cache_lookup(
                 self._svc.response_cache,
                 settings,
-                request=request,
+                key=key,
                 tenant=self.tenant,
                 owner=owner,
                 lock_ttl_s=config.server.lease_ttl_s,
                 track=self._svc.track,
-                generation=model.cache_generation if model is not None else "",
+                on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
+                stream=request.stream,
             )
         except (TimeoutError, RedisError, OSError) as exc:
             log.warning("response cache unavailable; the request runs uncached: %s", exc)
@@ -707,16 +876,19 @@ class StreamSession:
         the request runs, and on a miss its complete answer is stored and indexed."""
         assert self.tenant is not None
         cache = self._svc.semantic_cache
+        assert cache is not None
         config = self._snapshot.config
         settings = config.semantic_cache
         metrics = self._svc.metrics
         model = self._snapshot.model_configs.get(request.model)
-        if cache is None or not semantic_applies(
-            settings, self._snapshot.tenant_configs.get(self.tenant), model
-        ):
-            return None
         assert model is not None  # the model opted in
-        query = semantic_query(request, self.tenant, settings, model.cache_generation)
+        scope = cache_scope(
+            settings.scope == "model",
+            self.tenant,
+            self._snapshot.tenant_configs.get(self.tenant),
+            request.body,
+        )
+        query = semantic_query(request, scope, settings, model.cache_generation)
         if query is None:
             metrics.semantic_cache.labels(SemanticResult.BYPASS.value).inc()
             return None
@@ -727,6 +899,7 @@ class StreamSession:
             owner=owner,
             lock_ttl_s=config.server.lease_ttl_s,
             track=self._svc.track,
+            quota=cache_quota(config.response_cache, self.tenant),
         )
         metrics.semantic_cache.labels(found.result.value).inc()
         if found.guard_refusals:
@@ -737,16 +910,18 @@ class StreamSession:
         if found.answer is None:
             return None
         metrics.semantic_cache_similarity.observe(found.similarity)
+        headers = {CACHE_HEADER: SemanticResult.HIT.value}
+        if scope != SHARED_SCOPE:
+            # Only about the tenant's own question: across tenants a hit reveals nothing
+            # beyond the answer.
+            headers[SIMILARITY_HEADER] = f"{found.similarity:.4f}"
         return await self._answer_from_cache(
             request,
             owner,
             found.answer,
             hit_charge=settings.hit_charge,
             saved_tokens=metrics.semantic_cache_saved_tokens,
-            headers={
-                CACHE_HEADER: SemanticResult.HIT.value,
-                SIMILARITY_HEADER: f"{found.similarity:.4f}",
-            },
+            headers=headers,
             reason="semantic_cache_hit",
         )
 
@@ -762,11 +937,14 @@ class StreamSession:
         reason: str,
     ) -> pb.ProcessingResponse:
         """Answer with a stored answer: charged as configured, booked in the ledger and
-        counted in `saved_tokens` (the cache's own counter), nothing forwarded."""
+        counted in `saved_tokens` (the cache's own counter), nothing forwarded. Its RPM
+        slot was taken before the lookup."""
         assert self._tenant_policy is not None and self.tenant is not None
         route = self._snapshot.models.get(request.model)
         if hit_charge == "full" and route is not None:
-            decision = await charge_hit(self._svc.store, self._tenant_policy, route, answer, owner)
+            decision = await charge_hit(
+                self._svc.store, self._tenant_policy, route, answer, owner, slot_taken=True
+            )
             if not decision.admitted:
                 raise Rejected(rejection_of(decision))
         saved = answer.prompt_tokens + answer.output_tokens

@@ -28,6 +28,7 @@ from kvgate.policy import (
     Reason,
     TenantPolicy,
     plan_new_tokens,
+    requests_only,
 )
 from kvgate.store import StateStore, StoreUnavailable
 from kvgate.tokenize import PromptCounter, PromptRenderError, TokenizerBusy
@@ -41,6 +42,16 @@ _SIZE_INDEPENDENT_REJECTIONS = frozenset(
         Reason.TENANT_CONCURRENCY_EXCEEDED,
         Reason.REQUEST_EXCEEDS_TPM,
     }
+)
+
+# The ledger of what is answered without a backend (cache hits, replays): no KV, nothing
+# in flight, only the tenant's own limits.
+ANSWER_LEDGER = "kvgate-answers"
+NO_KV = BackendLimits(
+    name=ANSWER_LEDGER,
+    kv_budget_tokens=1 << 40,
+    kv_block_size=1,
+    max_concurrent_requests=1 << 30,
 )
 
 # A prompt at least this long (by its lower bound) that cannot fit is refused without
@@ -156,12 +167,14 @@ class Admission:
         priority: int = 0,
         on_queued: Callable[[float], None] | None = None,
         backend: str | None = None,
+        slot_taken: bool = False,
     ) -> Ticket:
         """A ticket for the admitted request, or `Rejected`. `admission_id` keys the
         reservation in the store (unique per request); `request_id` is the client's.
         `priority` is its class in a pool's queue; `on_queued(max_wait_s)` is called when
         it starts waiting there (the adapter extends its deadlines); `backend` replaces the
-        model's own backend (a route's setting)."""
+        model's own backend (a route's setting); `slot_taken`: the request's RPM slot was
+        taken already (`take_request_slot`, before the answer sources)."""
         self._priority = priority
         self._on_queued = on_queued
         route = self._snapshot.models.get(request.model)
@@ -173,7 +186,7 @@ class Admission:
             route = replace(route, backend=backend)
         # Once the pre-check took the tenant's RPM request, no later step takes it again (the
         # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
-        slot_taken = await self._reject_early(request, tenant, route, admission_id, False)
+        slot_taken = await self._reject_early(request, tenant, route, admission_id, slot_taken)
         sized = await self._size(request, tenant, route, request.max_new_tokens)
         decision, endpoint = await self._reserve(request, tenant, sized, admission_id, slot_taken)
         if decision.admitted:
@@ -192,6 +205,32 @@ class Admission:
                 if fallen is not None:
                     return fallen
         raise Rejected(rejection_of(decision))
+
+    async def take_request_slot(
+        self, request: ParsedRequest, tenant: TenantPolicy, admission_id: str
+    ) -> bool:
+        """Take the request's RPM slot before any answer source looks at it: a cache hit,
+        a replay or a duplicate's wait is a request the tenant made. O(1): nothing of the
+        body is read. Rejected when over RPM; False when the store could not answer (the
+        admission's own pre-check then takes the slot)."""
+        lower_bound = AdmissionRequest(
+            request_id=admission_id,
+            tenant=tenant.name,
+            model=request.model,
+            backend=ANSWER_LEDGER,
+            prompt_tokens=0,
+            max_new_tokens=0,
+        )
+        try:
+            early = await self._store.precheck(
+                lower_bound, NO_KV, requests_only(tenant), take_request_slot=True
+            )
+        except StoreUnavailable:
+            return False
+        if early is None:
+            return True
+        self._record_violations(tenant.name, early)
+        raise Rejected(rejection_of(early))
 
     # ------------------------------------------------------------------ steps
 

@@ -4,6 +4,9 @@ Protocol-free: the adapter asks `claim_key` before admission and gets either an
 `AnswerRecorder` (this request runs; it records the answer as it passes and stores it at
 the end) or a `KeyOutcome` to answer with (the stored answer, or why not). The store
 (`kvgate.cache.answers`) decides atomically, across replicas when it is Redis.
+
+Everything a key costs is the tenant's: the key and its answer count against the tenant's
+idempotency quota, and a duplicate that waits holds one of the tenant's few waiting places.
 """
 
 from __future__ import annotations
@@ -11,15 +14,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.cache.answers import AnswerStore, ClaimState, StoredAnswer
+from kvgate.cache.answers import (
+    AnswerQuota,
+    AnswerStore,
+    ClaimState,
+    StoredAnswer,
+    StoreResult,
+)
 from kvgate.config.model import IdempotencyConfig
+from kvgate.openai.completeness import answer_defect
 from kvgate.policy import ActualUsage, SettleCause
 
 log = logging.getLogger(__name__)
@@ -28,12 +37,20 @@ log = logging.getLogger(__name__)
 # shared: another replica's completion sends no signal here).
 POLL_FIRST_S = 0.05
 POLL_MAX_S = 0.25
+# The store's namespace of idempotency keys (quotas are per tenant and namespace).
+IDEMPOTENCY_NAMESPACE = "idempotency"
+# Why a completed answer was not kept (a duplicate is told, and nothing runs again).
+TOO_LARGE = "too_large"
+OVER_QUOTA = "over_quota"
 
 
 class KeyVerdict(enum.Enum):
     REPLAY = "replay"  # the stored answer
+    NOT_KEPT = "not_kept"  # completed, its answer not kept: 409 naming why
     MISMATCH = "mismatch"  # the key was used with another body: 422
     IN_PROGRESS = "in_progress"  # still running after the wait bound: 409 + Retry-After
+    TOO_MANY_WAITING = "too_many_waiting"  # the tenant's waiting places are taken: 429
+    QUOTA_EXHAUSTED = "quota_exhausted"  # no room for another of the tenant's keys: 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,16 +65,41 @@ def scoped_key(tenant: str, key: str) -> str:
     return hashlib.sha256(f"{tenant}\x00{key}".encode()).hexdigest()
 
 
-def fingerprint(body: dict[str, Any]) -> str:
-    """The request as the key protects it: the parsed body, key order and spacing aside."""
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+class TenantWaiters:
+    """How many duplicates of each tenant wait for a running request on this replica:
+    bounded, so one tenant's retry storm cannot hold the event loop's polling for others."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, int] = {}
+
+    def enter(self, tenant: str, limit: int) -> bool:
+        count = self._waiting.get(tenant, 0)
+        if count >= limit:
+            return False
+        self._waiting[tenant] = count + 1
+        return True
+
+    def leave(self, tenant: str) -> None:
+        count = self._waiting.get(tenant, 0) - 1
+        if count > 0:
+            self._waiting[tenant] = count
+        else:
+            self._waiting.pop(tenant, None)
+
+    def waiting(self, tenant: str) -> int:
+        return self._waiting.get(tenant, 0)
 
 
 class AnswerRecorder:
     """The request that runs for its key (an Idempotency-Key, or a response-cache entry):
     records what the client receives and, at the end, stores it (a complete 2xx answer)
-    or gives the key up (anything else)."""
+    or gives the key up (anything else).
+
+    `keep_marker`: an answer that completed but cannot be kept (too large, over quota)
+    leaves a marker, so that a duplicate is told so and never runs a second generation (an
+    Idempotency-Key); without it the key is released (a cache entry is simply not made).
+    `renew_lock_s`: the lock is renewed this often while the request runs (its TTL is
+    `lock_ttl_s`), so a long generation keeps its key."""
 
     def __init__(
         self,
@@ -69,19 +111,43 @@ class AnswerRecorder:
         retention_s: float,
         track: Callable[[Coroutine[Any, Any, None]], Any],
         on_stored: Callable[[StoredAnswer], Awaitable[None]] | None = None,
+        quota: AnswerQuota | None = None,
+        keep_marker: bool = False,
+        lock_ttl_s: float | None = None,
+        on_not_kept: Callable[[str], None] | None = None,
+        stream: bool | None = None,
     ) -> None:
+        # `stream`: whether the request asked for a stream (its answer must be one); None:
+        # the answer's own content type says which grammar it is held to.
+        self._stream = stream
         self._store = store
         self._on_stored = on_stored
+        self._on_not_kept = on_not_kept
         self._key = key
         self._owner = owner
         self._max_answer_bytes = max_answer_bytes
         self._retention_s = retention_s
         self._track = track
+        self._quota = quota
+        self._keep_marker = keep_marker
         self._status = 0
         self._content_type = ""
+        self._headers: tuple[tuple[str, str], ...] = ()
         self._body = bytearray()
         self._too_large = False
         self._done = False
+        self._renewal: asyncio.Task[None] | None = None
+        if lock_ttl_s is not None:
+            self._renewal = asyncio.get_running_loop().create_task(self._keep_lock(lock_ttl_s))
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def describe(self, headers: dict[str, str]) -> None:
+        """Headers that say how the answer was produced (a fallback, a clamp): kept with it
+        and replayed."""
+        self._headers = tuple(sorted(headers.items()))
 
     def on_headers(self, status: int, content_type: str) -> None:
         self._status, self._content_type = status, content_type
@@ -96,17 +162,34 @@ class AnswerRecorder:
         self._body += chunk
 
     def finish(self, cause: SettleCause, usage: ActualUsage | None = None) -> None:
-        """The answer ended: keep it if it is whole and 2xx, else let a retry run anew."""
+        """The answer ended: keep it if it is whole and 2xx, else let a retry run anew. A
+        2xx answer that is not complete by the API's grammar (an in-band error, no [DONE],
+        an aborted choice, an HTML page...) is a failed one: `on_not_kept` names why."""
         if self._done:
             return
         self._done = True
+        self._stop_renewal()
+        defect = None
         if cause is SettleCause.COMPLETED and 200 <= self._status < 300 and not self._too_large:
+            stream = self._stream
+            if stream is None:
+                stream = self._content_type.lower().startswith("text/event-stream")
+            defect = answer_defect(
+                stream=stream,
+                status=self._status,
+                content_type=self._content_type,
+                body=bytes(self._body),
+            )
+            if defect is not None:
+                self._not_kept(defect.value)
+        if cause is SettleCause.COMPLETED and 200 <= self._status < 300 and defect is None:
             answer = StoredAnswer(
                 self._status,
                 self._content_type,
                 bytes(self._body),
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 output_tokens=usage.output_tokens if usage else 0,
+                headers=self._headers,
             )
             self._track(self._complete(answer))
         else:
@@ -116,27 +199,77 @@ class AnswerRecorder:
         """Nothing was forwarded (refused, cancelled): the key is free again."""
         if not self._done:
             self._done = True
+            self._stop_renewal()
             self._track(self._release())
 
     async def _complete(self, answer: StoredAnswer) -> None:
+        marker = None
+        if self._keep_marker:
+            marker = answer.marker(TOO_LARGE if self._too_large else OVER_QUOTA)
         try:
-            stored = await self._store.complete(self._key, self._owner, answer, self._retention_s)
+            if self._too_large:
+                # Completed, and charged: a duplicate must learn that, not run again.
+                result = StoreResult.NOT_KEPT
+                if marker is not None:
+                    result = await self._store.complete(
+                        self._key, self._owner, marker, self._retention_s, quota=self._quota
+                    )
+                else:
+                    await self._release()
+                self._not_kept(TOO_LARGE)
+                return
+            result = await self._store.complete(
+                self._key,
+                self._owner,
+                answer,
+                self._retention_s,
+                quota=self._quota,
+                marker=marker,
+            )
         except Exception:
             # The lock expires on its own; duplicates then run anew.
             await self._release()
             return
-        if stored and self._on_stored is not None:
+        if result is StoreResult.NOT_KEPT:
+            self._not_kept(OVER_QUOTA)
+        if result is StoreResult.STORED and self._on_stored is not None:
             try:
                 await self._on_stored(answer)
             except Exception as exc:
                 # Not indexed: the stored answer is never found and expires.
                 log.warning("after storing an answer: %s", exc)
 
+    def _not_kept(self, reason: str) -> None:
+        if self._on_not_kept is not None:
+            self._on_not_kept(reason)
+
     async def _release(self) -> None:
         try:
-            await self._store.release(self._key, self._owner)
+            await self._store.release(self._key, self._owner, quota=self._quota)
         except Exception:
             return  # the lock's TTL frees it
+
+    async def _keep_lock(self, lock_ttl_s: float) -> None:
+        while True:
+            await asyncio.sleep(lock_ttl_s / 3)
+            try:
+                held = await self._store.renew(
+                    self._key, self._owner, lock_ttl_s, quota=self._quota
+                )
+            except Exception as exc:
+                log.warning("could not renew an idempotency key's lock: %s", exc)
+                continue
+            if not held:
+                return
+
+    def _stop_renewal(self) -> None:
+        if self._renewal is not None:
+            self._renewal.cancel()
+            self._renewal = None
+
+
+def idempotency_quota(settings: IdempotencyConfig, tenant: str) -> AnswerQuota:
+    return AnswerQuota(IDEMPOTENCY_NAMESPACE, tenant, settings.tenant_max_bytes)
 
 
 async def claim_key(
@@ -145,40 +278,60 @@ async def claim_key(
     *,
     tenant: str,
     key: str,
-    body: dict[str, Any],
+    fingerprint: str,
     owner: str,
     lock_ttl_s: float,
     on_wait: Callable[[float], None],
     track: Callable[[Coroutine[Any, Any, None]], Any],
+    waiters: TenantWaiters,
+    on_not_kept: Callable[[str], None] | None = None,
+    stream: bool | None = None,
 ) -> AnswerRecorder | KeyOutcome:
     """Run, replay, or refuse. A duplicate of a running request waits (polling the store,
-    at most `settings.max_wait_s`; `on_wait(max_wait_s)` is called once when it starts
-    waiting) and then replays, or runs itself if the first attempt gave up."""
+    at most `settings.max_wait_s`, in one of the tenant's `max_waiting_per_tenant` places;
+    `on_wait(max_wait_s)` is called once when it starts waiting) and then replays, or runs
+    itself if the first attempt gave up. `fingerprint` is the request body's digest."""
     store_key = scoped_key(tenant, key)
-    fp = fingerprint(body)
+    quota = idempotency_quota(settings, tenant)
     started = time.monotonic()
     delay = POLL_FIRST_S
     waiting = False
-    while True:
-        claim = await store.claim(store_key, fp, owner, lock_ttl_s)
-        waited = time.monotonic() - started
-        if claim.fingerprint != fp:
-            return KeyOutcome(KeyVerdict.MISMATCH, waited_s=waited)
-        if claim.state is ClaimState.STARTED:
-            return AnswerRecorder(
-                store,
-                store_key,
-                owner,
-                max_answer_bytes=settings.max_answer_bytes,
-                retention_s=settings.retention_s,
-                track=track,
-            )
-        if claim.state is ClaimState.COMPLETED:
-            return KeyOutcome(KeyVerdict.REPLAY, claim.answer, waited)
-        if waited >= settings.max_wait_s:
-            return KeyOutcome(KeyVerdict.IN_PROGRESS, waited_s=waited)
-        if not waiting:
-            waiting = True
-            on_wait(settings.max_wait_s)
-        await asyncio.sleep(min(delay, max(0.0, settings.max_wait_s - waited)))
-        delay = min(delay * 2, POLL_MAX_S)
+    try:
+        while True:
+            claim = await store.claim(store_key, fingerprint, owner, lock_ttl_s, quota=quota)
+            waited = time.monotonic() - started
+            if claim.state is ClaimState.OVER_QUOTA:
+                return KeyOutcome(KeyVerdict.QUOTA_EXHAUSTED, waited_s=waited)
+            if claim.fingerprint != fingerprint:
+                return KeyOutcome(KeyVerdict.MISMATCH, waited_s=waited)
+            if claim.state is ClaimState.STARTED:
+                return AnswerRecorder(
+                    store,
+                    store_key,
+                    owner,
+                    max_answer_bytes=settings.max_answer_bytes,
+                    retention_s=settings.retention_s,
+                    track=track,
+                    quota=quota,
+                    keep_marker=True,
+                    lock_ttl_s=lock_ttl_s,
+                    on_not_kept=on_not_kept,
+                    stream=stream,
+                )
+            if claim.state is ClaimState.COMPLETED:
+                assert claim.answer is not None
+                if claim.answer.not_kept:
+                    return KeyOutcome(KeyVerdict.NOT_KEPT, claim.answer, waited)
+                return KeyOutcome(KeyVerdict.REPLAY, claim.answer, waited)
+            if waited >= settings.max_wait_s:
+                return KeyOutcome(KeyVerdict.IN_PROGRESS, waited_s=waited)
+            if not waiting:
+                if not waiters.enter(tenant, settings.max_waiting_per_tenant):
+                    return KeyOutcome(KeyVerdict.TOO_MANY_WAITING, waited_s=waited)
+                waiting = True
+                on_wait(settings.max_wait_s)
+            await asyncio.sleep(min(delay, max(0.0, settings.max_wait_s - waited)))
+            delay = min(delay * 2, POLL_MAX_S)
+    finally:
+        if waiting:
+            waiters.leave(tenant)

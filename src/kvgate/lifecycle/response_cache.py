@@ -7,32 +7,41 @@ request already running elsewhere is not waited for: this one runs uncached (byp
 
 The key is the model plus the canonical request body: every field that can change the
 answer, `stream` and `stream_options` included, because the stored bytes are exactly what
-the client received (a stream with the usage event only where the client asked for it).
+the client received (a stream with the usage event only where the client asked for it),
+plus what serves it: the route's backend (a canary pool is not the default one) and the
+model's `cache_generation`. An answer served by another model (a budget fallback) or with
+fewer tokens than asked (a clamp) is not stored at all: it is not this request's answer.
+
+Entries are the tenant's own unless both it and the other tenant opt in to sharing
+(`cache_sharing`), and a sampled answer is never shared: the tenant that made it could
+have picked it (by cutting the streams it did not like).
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import json
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.cache.answers import AnswerStore, ClaimState, StoredAnswer
+from kvgate.cache.answers import AnswerQuota, AnswerStore, ClaimState, StoredAnswer
 from kvgate.config.model import ModelConfig, ResponseCacheConfig, TenantConfig
 from kvgate.config.snapshot import ModelRoute
+from kvgate.lifecycle.admission import ANSWER_LEDGER, NO_KV
 from kvgate.lifecycle.idempotency import AnswerRecorder
 from kvgate.openai import ParsedRequest
 from kvgate.policy import (
     ActualUsage,
     AdmissionRequest,
-    BackendLimits,
     Decision,
     SettleCause,
     TenantPolicy,
 )
 from kvgate.store import StateStore
+
+# The store's namespace of cached answers, both caches' (quotas are per tenant and namespace).
+CACHE_NAMESPACE = "cache"
 
 
 class CacheResult(enum.StrEnum):
@@ -85,35 +94,65 @@ def deterministic(body: dict[str, Any]) -> bool:
     )
 
 
-def cache_key(
-    request: ParsedRequest, tenant: str, settings: ResponseCacheConfig, generation: str = ""
+# The scope of entries every opted-in tenant shares.
+SHARED_SCOPE = "shared"
+
+
+def cache_scope(
+    shared_scope: bool, tenant: str, tenant_config: TenantConfig | None, body: dict[str, Any]
 ) -> str:
-    """The entry's key. `generation` is the model's `cache_generation`: a new one (new
-    weights behind the same name) makes every earlier entry unreachable at once."""
-    scope = f"tenant\x00{tenant}" if settings.scope == "tenant" else "model"
-    canonical = json.dumps(request.body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    digest = hashlib.sha256()
-    digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00{generation}\x00".encode())
-    digest.update(canonical.encode())
-    return "cache|" + digest.hexdigest()
+    """Whose entries a request meets: the tenant's own, or (a cache with `scope: model`, a
+    tenant that opted in to sharing, a deterministic request) those of every tenant that
+    opted in. A sampled answer is never another tenant's."""
+    sharing = tenant_config is not None and tenant_config.cache_sharing
+    if shared_scope and sharing and deterministic(body):
+        return SHARED_SCOPE
+    return f"tenant\x00{tenant}"
+
+
+def cache_key(
+    request: ParsedRequest,
+    *,
+    scope: str,
+    digest: str,
+    served_by: str,
+    generation: str = "",
+) -> str:
+    """The entry's key: the scope, the request (`digest`: its canonical body), and what
+    serves it: `served_by` (the backend or pool the request's route sends it to) and the
+    model's `generation` (`cache_generation`: new weights behind the same name make every
+    earlier entry unreachable at once)."""
+    key = hashlib.sha256()
+    for part in (scope, request.path, request.model, served_by, generation, digest):
+        key.update(part.encode())
+        key.update(b"\x00")
+    return "cache|" + key.hexdigest()
+
+
+def cache_quota(settings: ResponseCacheConfig, tenant: str) -> AnswerQuota:
+    """The tenant's bytes of cached answers (both caches), whoever they serve later."""
+    return AnswerQuota(CACHE_NAMESPACE, tenant, settings.tenant_max_bytes)
 
 
 async def lookup(
     store: AnswerStore,
     settings: ResponseCacheConfig,
     *,
-    request: ParsedRequest,
+    key: str,
     tenant: str,
     owner: str,
     lock_ttl_s: float,
     track: Callable[[Coroutine[Any, Any, None]], Any],
-    generation: str = "",
+    stream: bool | None = None,
+    on_not_kept: Callable[[str], None] | None = None,
 ) -> CacheLookup:
-    key = cache_key(request, tenant, settings, generation)
-    claim = await store.claim(key, key, owner, lock_ttl_s)
+    """A hit, a miss (this request's answer is stored when it completes, in the tenant's
+    quota), or a bypass (an identical request runs, or the tenant's quota is full)."""
+    quota = cache_quota(settings, tenant)
+    claim = await store.claim(key, key, owner, lock_ttl_s, quota=quota)
     if claim.state is ClaimState.COMPLETED:
         return CacheLookup(CacheResult.HIT, answer=claim.answer)
-    if claim.state is ClaimState.IN_FLIGHT:
+    if claim.state is not ClaimState.STARTED:
         return BYPASS
     recorder = AnswerRecorder(
         store,
@@ -122,18 +161,11 @@ async def lookup(
         max_answer_bytes=settings.max_answer_bytes,
         retention_s=settings.ttl_s,
         track=track,
+        quota=quota,
+        stream=stream,
+        on_not_kept=on_not_kept,
     )
     return CacheLookup(CacheResult.MISS, recorder=recorder)
-
-
-# The ledger a charged hit is booked on: no KV (nothing runs), the tenant's limits only.
-CACHE_LEDGER = "kvgate-response-cache"
-_NO_KV = BackendLimits(
-    name=CACHE_LEDGER,
-    kv_budget_tokens=1 << 40,
-    kv_block_size=1,
-    max_concurrent_requests=1 << 30,
-)
 
 
 async def charge_hit(
@@ -142,6 +174,8 @@ async def charge_hit(
     route: ModelRoute,
     answer: StoredAnswer,
     request_id: str,
+    *,
+    slot_taken: bool = False,
 ) -> Decision:
     """`hit_charge: full`: the hit takes what the stored answer took from the tenant's TPM,
     RPM and budgets, atomically like any admission (a tenant over its limits gets the 429
@@ -150,12 +184,13 @@ async def charge_hit(
         request_id=request_id,
         tenant=tenant.name,
         model=route.name,
-        backend=CACHE_LEDGER,
+        backend=ANSWER_LEDGER,
         prompt_tokens=answer.prompt_tokens,
         max_new_tokens=answer.output_tokens,
         cost_pico=route.pricing.worst_case(answer.prompt_tokens, answer.output_tokens),
+        request_slot_taken=slot_taken,
     )
-    decision = await store.reserve(request, _NO_KV, tenant)
+    decision = await store.reserve(request, NO_KV, tenant)
     if decision.admitted and decision.reservation is not None:
         usage = ActualUsage(answer.prompt_tokens, answer.output_tokens)
         cost = route.pricing.cost(usage.prompt_tokens, usage.output_tokens, 0)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from redis.exceptions import RedisError
 
-from kvgate.cache.answers import AnswerStore, ClaimState, StoredAnswer
+from kvgate.cache.answers import AnswerQuota, AnswerStore, ClaimState, StoredAnswer
 from kvgate.cache.embeddings import (
     Embedder,
     EmbeddingError,
@@ -72,6 +72,7 @@ class SemanticResult(enum.StrEnum):
 class SemanticQuery:
     context: str  # hash of everything but the last user turn
     question: str  # the last user turn's text
+    stream: bool = False  # the request asked for a stream: its answer must be one
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +117,11 @@ def applies(
 
 
 def semantic_query(
-    request: ParsedRequest, tenant: str, settings: SemanticCacheConfig, generation: str = ""
+    request: ParsedRequest, scope: str, settings: SemanticCacheConfig, generation: str = ""
 ) -> SemanticQuery | None:
     """The context and the question, or None when reuse would not be safe by construction.
-    `generation` is the model's `cache_generation` (a new one orphans every entry)."""
+    `scope` is whose entries the request meets (`response_cache.cache_scope`); `generation`
+    is the model's `cache_generation` (a new one orphans every entry)."""
     body = request.body
     if not settings.sampled and not deterministic(body):
         return None
@@ -152,12 +154,11 @@ def semantic_query(
     question = question.strip()
     if not question or len(question) > settings.max_question_chars:
         return None
-    scope = f"tenant\x00{tenant}" if settings.scope == "tenant" else "model"
     canonical = json.dumps(context_body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     digest = hashlib.sha256()
     digest.update(f"{scope}\x00{request.path}\x00{request.model}\x00{generation}\x00".encode())
     digest.update(canonical.encode())
-    return SemanticQuery(context=digest.hexdigest(), question=question)
+    return SemanticQuery(context=digest.hexdigest(), question=question, stream=request.stream)
 
 
 def _uses_tools(message: object) -> bool:
@@ -194,10 +195,11 @@ async def lookup(
     owner: str,
     lock_ttl_s: float,
     track: Callable[[Coroutine[Any, Any, None]], Any],
+    quota: AnswerQuota | None = None,
 ) -> SemanticLookup:
     """A stored answer to a similar question (a hit), or a recorder that stores and indexes
-    this request's answer when it completes (a miss). Any failure of the embedder or the
-    store: UNAVAILABLE, and the request runs uncached."""
+    this request's answer when it completes (a miss), in the tenant's `quota`. Any failure
+    of the embedder or the store: UNAVAILABLE, and the request runs uncached."""
     try:
         vectors = await cache.embedder.embed([query.question])
     except EmbeddingError as exc:
@@ -226,7 +228,7 @@ async def lookup(
                     guard_refusals=refused,
                 )
         answer_key = f"semantic|{uuid.uuid4().hex}"
-        claim = await cache.answers.claim(answer_key, query.context, owner, lock_ttl_s)
+        claim = await cache.answers.claim(answer_key, query.context, owner, lock_ttl_s, quota=quota)
     except (TimeoutError, RedisError, OSError) as exc:
         log.warning("semantic cache store unavailable; the request runs uncached: %s", exc)
         return SemanticLookup(SemanticResult.UNAVAILABLE)
@@ -250,6 +252,8 @@ async def lookup(
         retention_s=settings.ttl_s,
         track=track,
         on_stored=index_answer,
+        quota=quota,
+        stream=query.stream,
     )
     return SemanticLookup(SemanticResult.MISS, recorder=recorder, guard_refusals=refused)
 

@@ -312,9 +312,24 @@ class Metrics:
         )
         self.idempotent_requests = Counter(
             "kvgate_idempotent_requests",
-            "Requests with an Idempotency-Key by what kvgate did: started (ran), replayed "
-            "(the stored answer), key_reused (422, another body), in_progress (409).",
+            "Requests with an Idempotency-Key by what kvgate did: started (ran), replay "
+            "(the stored answer), not_kept (409: completed, its answer not kept), mismatch "
+            "(422, another body), in_progress (409), too_many_waiting and quota_exhausted "
+            "(429), unchecked (the store was down under fail_open: ran unprotected).",
             ["result"],
+            registry=r,
+        )
+        self.answers_not_stored = Counter(
+            "kvgate_answers_not_stored",
+            "2xx answers that ended normally but were not stored for a cache or an "
+            "Idempotency-Key (nothing replays them; a retry runs anew), by why they are not "
+            "complete: status, content_type, stream_mismatch, empty, malformed, error "
+            "(in-band error event or error body), no_done, no_choices, unfinished_choice, "
+            "failed_choice (finish_reason abort or error); or because the store did not "
+            "keep them: too_large, over_quota (the tenant's bytes, or Redis memory), no_room "
+            "(no room for another Idempotency-Key), served_otherwise (a budget fallback or "
+            "clamp: not the asked request's answer).",
+            ["reason"],
             registry=r,
         )
         self.queue_length = Gauge(

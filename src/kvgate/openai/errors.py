@@ -313,6 +313,50 @@ def idempotency_key_in_progress(retry_after_s: float) -> ApiError:
     )
 
 
+def idempotency_answer_not_kept(reason: str) -> ApiError:
+    """409: the first request with this key completed, but its answer was not kept (too
+    large, or over the tenant's storage quota): a duplicate is never generated again."""
+    why = (
+        "was larger than kvgate keeps"
+        if reason == "too_large"
+        else "did not fit your idempotency storage quota"
+    )
+    return ApiError(
+        409,
+        f"A request with this Idempotency-Key already completed, but its answer {why}, so it "
+        "cannot be replayed. Use a new key to run the request again.",
+        INVALID_REQUEST_ERROR,
+        "idempotency_answer_not_kept",
+        IDEMPOTENCY_HEADER,
+    )
+
+
+def idempotency_keys_exhausted(retry_after_s: float) -> ApiError:
+    """429: the tenant's idempotency storage quota has no room for another key."""
+    return ApiError(
+        429,
+        "Too many of your Idempotency-Keys and their answers are stored right now. Retry "
+        "later, or send the request without an Idempotency-Key.",
+        "rate_limit_exceeded",
+        "idempotency_keys_exhausted",
+        IDEMPOTENCY_HEADER,
+        _retry_headers(retry_after_s),
+    )
+
+
+def idempotency_waiters_exceeded(retry_after_s: float) -> ApiError:
+    """429: too many of the tenant's duplicates already wait for running requests."""
+    return ApiError(
+        429,
+        "Too many of your requests are already waiting for the answer of an earlier request "
+        "with the same Idempotency-Key. Retry later.",
+        "rate_limit_exceeded",
+        "idempotency_waiters_exceeded",
+        IDEMPOTENCY_HEADER,
+        _retry_headers(retry_after_s),
+    )
+
+
 def service_unavailable(
     message: str = "The server is temporarily unable to handle the request. Please retry.",
     retry_after_s: float | None = None,

@@ -25,6 +25,7 @@ from kvgate.policy.tenant import (
     TenantPolicy,
     TenantState,
     Violation,
+    requests_only,
     shadowed,
 )
 from kvgate.policy.types import (
@@ -83,6 +84,7 @@ __all__ = [
     "rendezvous_order",
     "seconds_until_reset",
     "settle_tenant",
+    "requests_only",
     "shadowed",
     "usd_to_pico",
 ]

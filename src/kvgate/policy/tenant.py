@@ -371,6 +371,19 @@ def rate_limit_view(policy: TenantPolicy, state: TenantState, now: float) -> Rat
     return view
 
 
+def requests_only(policy: TenantPolicy) -> TenantPolicy:
+    """The policy's request-rate limits alone: what a request answered without a backend
+    (a cache hit, a replay, a duplicate's wait) takes before its answer."""
+    return replace(
+        policy,
+        limits=ScopeLimits(rpm=policy.limits.rpm),
+        model_limits=MappingProxyType(
+            {model: ScopeLimits(rpm=scope.rpm) for model, scope in policy.model_limits.items()}
+        ),
+        budgets=(),
+    )
+
+
 def _shadow_scope(scope: ScopeLimits) -> ScopeLimits:
     return ScopeLimits(
         rpm=replace(scope.rpm, shadow=True) if scope.rpm else None,
