@@ -237,7 +237,10 @@ class KvgateServer:
         )
         # Idempotency keys live beside the ledgers, under the same hash tag.
         self._idempotency_store = RedisAnswerStore(
-            shared.client, shared.key_tag, timeout_s=redis_cfg.timeout_s
+            shared.client,
+            shared.key_tag,
+            timeout_s=redis_cfg.timeout_s,
+            max_memory_fraction=redis_cfg.answer_store_max_memory_fraction,
         )
         # Cache entries too (keys "cache|...", with their TTL): shared by every replica.
         self._response_cache_store = self._idempotency_store
