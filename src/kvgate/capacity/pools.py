@@ -182,8 +182,8 @@ class _Pool:
             shown = ", ".join(f"{a} ({refusals[a]})" for a in new[:8])
             more = f" and {len(new) - 8} more" if len(new) > 8 else ""
             log.warning(
-                "pool %s: %s resolves to addresses outside endpoint_discovery.allowed_cidrs, "
-                "refused: %s%s",
+                "pool %s: %s resolves to addresses refused as members "
+                "(endpoint_discovery.allowed_cidrs): %s%s",
                 self.settings.name,
                 dns_name,
                 shown,
