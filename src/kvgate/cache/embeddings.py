@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import aiohttp
 import numpy as np
@@ -250,7 +250,7 @@ class WordLlamaEmbedder:
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.deadline_s):
-                return await job.future  # type: ignore[no-any-return]
+                return cast(Vectors, await job.future)
         except TimeoutError as exc:
             self.refused[REFUSED_DEADLINE] += 1
             raise EmbeddingDeadlineExceeded(
