@@ -234,10 +234,10 @@ class SemanticIndex:
         self._max_per_context = max_entries_per_context
         self._max_mirrored_bytes = max_mirrored_bytes
         self._clock = clock
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()  # least recently searched first
-        self._empty: OrderedDict[str, None] = (
-            OrderedDict()
-        )  # the buckets without entries, same order
+        # Least recently searched first; `_empty` holds those without entries, the first
+        # to go when the mirror is over its bound.
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._empty: OrderedDict[str, None] = OrderedDict()
         self._mirrored = 0
         self._mirrored_bytes = 0
 
@@ -316,8 +316,8 @@ class SemanticIndex:
             self._mirrored_bytes += CONTEXT_OVERHEAD_BYTES
         self._buckets[context] = bucket  # most recently used last
         if not bucket.entries:
-            self._empty.pop(context, None)
             self._empty[context] = None
+            self._empty.move_to_end(context)
         cursor, fresh = await self._log.read_since(context, bucket.cursor)
         now = self._clock()
         # Another search of this context may have read the same entries meanwhile.
