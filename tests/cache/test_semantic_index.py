@@ -3,6 +3,7 @@ replicas' mirrors kept in step through one Redis log."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import tracemalloc
 import uuid
@@ -287,3 +288,27 @@ async def test_a_question_with_invisible_text_is_never_indexed(log: EntryLog) ->
     found = await index.search("ctx", unit(1, 0), min_similarity=0.5)
     assert [c.entry.answer_key for c in found] == ["plain"]
     assert refusal_reason(hidden) == "tag_characters"
+
+
+async def test_concurrent_searches_keep_the_mirror_exact(log: EntryLog) -> None:
+    """Searches interleave while Redis answers: two of one context read the same new entry
+    (kept once), and a context evicted by another search meanwhile is not counted again."""
+    one = entry_bytes(entry("k-00", unit(1, 0)))
+    index = index_over(log, mirrored_bytes=3 * (CONTEXT_OVERHEAD_BYTES + one))
+    await index.add("ctx", entry("k-00", unit(1, 0)), 60)
+    both = await asyncio.gather(
+        *(index.search("ctx", unit(1, 0), min_similarity=0.5) for _ in "ab")
+    )
+    assert [len(found) for found in both] == [1, 1]
+    assert index.mirrored_entries == 1
+    for i in range(1, 12):
+        await index.add(f"ctx-{i}", entry(f"k-{i:02}", unit(1, 0)), 60)
+    found = await asyncio.gather(
+        *(index.search(f"ctx-{i}", unit(1, 0), min_similarity=0.5) for i in range(1, 12))
+    )
+    assert all(len(f) == 1 for f in found)  # every search saw its entry, kept or not
+    assert index.mirrored_bytes <= index.max_mirrored_bytes
+    assert index.mirrored_bytes == (
+        index.mirrored_contexts * CONTEXT_OVERHEAD_BYTES + index.mirrored_entries * one
+    )
+    assert index.mirrored_entries == index.mirrored_contexts  # one entry each, none twice
