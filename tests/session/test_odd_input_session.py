@@ -157,3 +157,81 @@ def test_kvgates_own_draw_decides_whatever_the_trace_id(draw: float, sampled: bo
             assert span.trace_flags.sampled is sampled
     finally:
         tracing.shutdown()
+
+
+# --------------------------------------------------------------------------- body fields
+
+COMPLETION = {"model": "qwen2.5-demo", "prompt": "Say hi", "max_tokens": 8}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"model": 5}, "model"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"max_tokens": "16"}, "max_tokens"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"max_completion_tokens": 2**40}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/chat/completions", {"stream": "true"}, "stream"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
+        ("/v1/chat/completions", {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {"temperature": True}, "temperature"),
+        ("/v1/chat/completions", {"temperature": -0.5}, "temperature"),
+        ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+        ("/v1/chat/completions", {"tools": {"type": "function"}}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools[0].function"),
+        ("/v1/chat/completions", {"tools": [{"function": 5}]}, "tools[0].function"),
+        ("/v1/chat/completions", {"tools": [{"function": {}}]}, "tools[0].function.name"),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+        ),
+        ("/v1/chat/completions", {"tools": [{"type": 3}]}, "tools[0].type"),
+        ("/v1/completions", {"prompt": [1.5]}, "prompt[0]"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"logprobs": "5"}, "logprobs"),
+        ("/v1/completions", {"temperature": [0]}, "temperature"),
+    ],
+)
+async def test_a_bad_body_field_is_a_400_naming_it(
+    rig: SessionRig, path: str, fields: dict[str, object], param: str
+) -> None:
+    base = CHAT if path == "/v1/chat/completions" else COMPLETION
+    stream = rig.stream()
+    await stream.exchange(headers_msg(path))
+    status, body, _ = error_of(await stream.exchange(body_msg({**base, **fields})))
+    assert status == 400, body
+    assert body["error"]["param"] == param, body
+    assert body["error"]["type"] == "invalid_request_error"
+    assert await rig.in_flight() == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/chat/completions", {"temperature": 0, "logprobs": True, "top_logprobs": 20}),
+        ("/v1/chat/completions", {"temperature": 1.7, "logprobs": None, "top_logprobs": None}),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        ),
+        ("/v1/completions", {"logprobs": 5, "temperature": 0.0}),
+        ("/v1/completions", {"logprobs": -1}),
+    ],
+)
+async def test_well_typed_sampling_fields_and_tools_are_admitted(
+    rig: SessionRig, path: str, fields: dict[str, object]
+) -> None:
+    base = CHAT if path == "/v1/chat/completions" else COMPLETION
+    stream = rig.stream()
+    await stream.exchange(headers_msg(path))
+    reply = await stream.exchange(body_msg({**base, **fields}))
+    assert reply.WhichOneof("response") == "request_body"
+    stream.reset()
+    assert await rig.in_flight_after_reset() == (0, 0)

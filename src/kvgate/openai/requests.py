@@ -8,7 +8,12 @@ bytes into a typed :class:`ParsedRequest` or an OpenAI-shaped 400.
 Validation is deliberately limited to what admission depends on (model, the
 prompt or messages that get tokenized, how many tokens may be generated and how
 many sequences) plus cheap structural checks that would otherwise crash later
-stages. Sampling parameters (temperature, top_p, ...) are the engine's business.
+stages. Sampling parameters (top_p, ...) are the engine's business, except the
+few kvgate reads or that change what it meters: ``temperature`` (the response
+cache serves only greedy requests), ``logprobs``/``top_logprobs`` (the answer's
+size) and the shape of ``tools`` (rendered into the counted prompt). Their
+types are checked here, so a request the engine would refuse anyway is a clear
+400 naming the field before anything is reserved for it.
 
 Parser-differential note: the engine re-parses whatever bytes are forwarded.
 Inputs on which JSON parsers disagree (BOM, NaN/Infinity, lone surrogates,
@@ -335,6 +340,22 @@ def _opt_int(
     return value
 
 
+def _opt_number(obj: dict[str, Any], key: str, minimum: float) -> None:
+    value = obj.get(key)
+    if value is None:
+        return
+    kind = type(value)
+    if kind is not int and kind is not float:
+        raise _type_error(key, "a number", value)
+    if value < minimum:
+        raise invalid_request(
+            f"Invalid '{key}': decimal below minimum value. Expected a value >= {minimum:g}, "
+            f"but got {clip(value, 24)} instead.",
+            key,
+            "decimal_below_min_value",
+        )
+
+
 def _opt_object(obj: dict[str, Any], key: str) -> dict[str, Any] | None:
     value = obj.get(key)
     if value is None:
@@ -351,6 +372,46 @@ def _list_of_objects(value: object, param: str) -> list[dict[str, Any]]:
         if type(item) is not dict:
             raise _type_error(f"{param}[{i}]", "an object", item)
     return value  # type: ignore[return-value]
+
+
+def _tools(value: object) -> list[dict[str, Any]]:
+    """A chat request's tools: the chat template renders them into the counted prompt, and
+    a function tool the engine cannot read (no name) it refuses after kvgate reserved."""
+    tools = _list_of_objects(value, "tools")
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        kind = tool.get("type", "function")
+        if type(kind) is not str:
+            raise _type_error(f"{param}.type", "a string", kind)
+        if kind != "function":
+            continue  # other tool kinds are the engine's to accept or refuse
+        function = tool.get("function")
+        if function is None:
+            raise _missing(f"{param}.function")
+        if type(function) is not dict:
+            raise _type_error(f"{param}.function", "an object", function)
+        name = function.get("name")
+        if name is None:
+            raise _missing(f"{param}.function.name")
+        if type(name) is not str:
+            raise _type_error(f"{param}.function.name", "a string", name)
+        for key, expected in (("description", str), ("parameters", dict)):
+            field_value = function.get(key)
+            if field_value is not None and type(field_value) is not expected:
+                what = "a string" if expected is str else "an object"
+                raise _type_error(f"{param}.function.{key}", what, field_value)
+    return tools
+
+
+def _sampling(obj: dict[str, Any], kind: RequestKind) -> None:
+    """The sampling fields kvgate reads or whose size it meters: their types and ranges.
+    -1 for a logprobs count is vLLM's "the whole vocabulary"."""
+    _opt_number(obj, "temperature", 0)
+    if kind == "chat":
+        _opt_bool(obj, "logprobs", False)
+        _opt_int(obj, "top_logprobs", -1, MAX_TOKENS_LIMIT)
+    else:
+        _opt_int(obj, "logprobs", -1, MAX_TOKENS_LIMIT)
 
 
 # --------------------------------------------------------------------------- sections
@@ -590,6 +651,7 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
             "invalid_value",
         )
     echo = _opt_bool(obj, "echo", False)
+    _sampling(obj, kind)
     _refuse_fields(obj, _UNBOUNDED_FIELDS)
     min_tokens = _opt_int(obj, "min_tokens", 0, MAX_TOKENS_LIMIT) or 0
 
@@ -597,7 +659,7 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
     if kind == "chat":
         messages = _messages(obj)
         tools_raw = obj.get("tools")
-        tools = None if tools_raw is None else _list_of_objects(tools_raw, "tools")
+        tools = None if tools_raw is None else _tools(tools_raw)
         _refuse_uncountable_chat_fields(obj)
         add_generation_prompt = _opt_bool(obj, "add_generation_prompt", True)
         continue_final_message = _opt_bool(obj, "continue_final_message", False)
