@@ -2,10 +2,10 @@
 
 A Mistral-format directory (tekken.json + params.json, no tokenizer.json) is served by the
 simulator in vLLM's mistral tokenizer mode (transformers' MistralCommonBackend) and counted
-by kvgate with mistral_common. Literal special-token text is plain text to the engine: a
-flood of it must be reserved at the engine's count (many tokens per literal, never one), so
-a burst of such prompts is admitted only as far as the KV cache holds, and the engine never
-preempts.
+by kvgate with mistral_common; a gpt-oss directory is served and counted through harmony.
+Literal special-token text is plain text to the engine: a flood of it must be reserved at
+the engine's count (many tokens per literal, never one), so a burst of such prompts is
+admitted only as far as the KV cache holds, and the engine never preempts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from kvgate.tokenize import load_counter
 from kvgate.tokenize.counter import CountingApi
-from testbed.engine_models import mistral_tekken_model_dir
+from testbed.engine_models import gpt_oss_model_dir, mistral_tekken_model_dir
 from testbed.harness import DEFAULT_BACKEND, SimOptions, Stack, sim_reset, sim_stats
 
 MODEL = "mistral-tekken-demo"
@@ -168,3 +168,38 @@ def test_a_burst_of_floods_never_makes_the_engine_preempt(
     assert stats["peak_kv_tokens_used"] <= KV_BUDGET, stats
     assert stats["peak_running"] == fit, stats
     assert all(s["prompt_tokens"] == prompt for s in stats["served"]), stats["served"]
+
+
+GPT_OSS = "gpt-oss-demo"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_stack() -> Iterator[Stack]:
+    models = [
+        {
+            "name": GPT_OSS,
+            "tokenizer": str(gpt_oss_model_dir()),
+            "max_context": 32768,
+            "default_max_new_tokens": 1024,
+            "backend": DEFAULT_BACKEND,
+        }
+    ]
+    with Stack(models=models, sim=SimOptions(num_gpu_blocks=KV_BUDGET // KV_BLOCK)) as running:
+        yield running
+
+
+@pytest.mark.parametrize("flood", sorted(FLOODS))
+def test_gpt_oss_flood_is_reserved_at_the_engines_count(gpt_oss_stack: Stack, flood: str) -> None:
+    counter = load_counter(gpt_oss_model_dir(), name=GPT_OSS)
+    messages = [
+        {"role": "system", "content": "Answer <|start|> briefly."},
+        {"role": "user", "content": FLOODS[flood]},
+    ]
+    body = {"model": GPT_OSS, "messages": messages, "max_tokens": 8}
+    resp = _post(gpt_oss_stack, CHAT, body)
+    assert resp.status_code == 200, resp.text
+    engine = resp.json()["usage"]["prompt_tokens"]
+    rid = resp.headers["x-request-id"]
+    entry = gpt_oss_stack.wait_access_log(lambda e: e["request_id"] == rid)
+    assert entry["prompt_tokens"] == engine == counter.count_chat(messages)
+    assert engine > len(FLOODS[flood]) // 4

@@ -14,6 +14,7 @@ Independent of kvgate: written from vLLM's behaviour, sharing no code with its c
 from __future__ import annotations
 
 import copy
+import datetime
 import fnmatch
 import json
 import os
@@ -56,7 +57,7 @@ def load_sim_tokenizer(model_dir: Path, requested_mode: str = "auto") -> SimToke
     if mode == "mistral":
         return MistralSimTokenizer(model_dir)
     if mode == "harmony":
-        raise RuntimeError(f"{model_dir}: gpt-oss (harmony) models are not simulated")
+        return HarmonySimTokenizer(model_dir)
     return SimTokenizer(model_dir)
 
 
@@ -158,3 +159,199 @@ class MistralSimTokenizer(SimTokenizer):
     def special_ids(self) -> list[int]:
         inner = self._tok.tokenizer.instruct_tokenizer.tokenizer
         return [i for i in range(inner.n_words) if inner.is_special(i)]
+
+
+class HarmonySimTokenizer(SimTokenizer):
+    """gpt-oss: chats rendered by the harmony library the way vLLM's chat server does;
+    completions, decoding and output words through the Hugging Face tokenizer."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        super().__init__(model_dir)
+        from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+        self._harmony = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
+        from openai_harmony import Conversation, RenderConversationConfig, Role
+
+        preprocess_messages(messages, "openai")  # text parts only, as the HF path
+        try:
+            built = _harmony_request(copy.deepcopy(list(messages)), kwargs.get("tools"))
+            kept = _without_superseded_reasoning(built)
+            ids = self._harmony.render_conversation_for_completion(
+                Conversation.from_messages(kept),
+                Role.ASSISTANT,
+                config=RenderConversationConfig(auto_drop_analysis=False),
+            )
+            return _older_tool_call_headers(self._harmony, list(ids))
+        except PromptError:
+            raise
+        except Exception as exc:  # vLLM answers harmony failures 400
+            raise PromptError(str(exc)) from exc
+
+    def count_text(self, text: str) -> int:
+        return len(self._harmony.encode(text, disallowed_special=()))
+
+
+def _flatten(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    found: list[str] = []
+    for item in content:
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict) and item.get("text") is not None:
+            found.append(item["text"])
+    return "".join(found) if found else None
+
+
+def _harmony_developer(instructions: str | None, tools: Any) -> Any:
+    from openai_harmony import DeveloperContent, Message, Role, ToolDescription
+
+    dev = DeveloperContent.new()
+    if instructions is not None:
+        dev = dev.with_instructions(instructions)
+    functions = [
+        ToolDescription.new(
+            name=t["function"]["name"],
+            description=t["function"].get("description") or "",
+            parameters=t["function"].get("parameters"),
+        )
+        for t in tools or []
+        if t.get("type", "function") == "function"
+    ]
+    if functions:
+        dev = dev.with_function_tools(functions)
+    return Message.from_role_and_content(Role.DEVELOPER, dev)
+
+
+def _harmony_request(messages: list[dict[str, Any]], tools: Any) -> list[Any]:
+    from openai_harmony import Author, Message, Role, SystemContent, TextContent
+
+    instructions = None
+    if messages and messages[0].get("role") in ("system", "developer"):
+        instructions = _flatten(messages[0].get("content"))
+        messages = messages[1:]
+    system = SystemContent.new().with_conversation_start_date(
+        datetime.datetime.now().strftime("%Y-%m-%d")
+    )
+    out: list[Any] = [Message.from_role_and_content(Role.SYSTEM, system)]
+    if instructions or tools:
+        out.append(_harmony_developer(instructions, tools))
+
+    call_names: dict[Any, Any] = {}
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            call_names[call.get("id")] = call.get("function", {}).get("name")
+
+    for m in messages:
+        role = m.get("role")
+        # vLLM's request model renames the older reasoning_content to reasoning.
+        reasoning = m.get("reasoning")
+        if reasoning is None:
+            reasoning = m.get("reasoning_content")
+        calls = m.get("tool_calls") or []
+        if role == "assistant" and calls:
+            said = _flatten(m.get("content"))
+            if said:
+                out.append(
+                    Message.from_role_and_content(Role.ASSISTANT, said).with_channel("commentary")
+                )
+            if reasoning:
+                out.append(
+                    Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel(
+                        "analysis"
+                    )
+                )
+            for call in calls:
+                fn = call.get("function", {})
+                out.append(
+                    Message.from_role_and_content(Role.ASSISTANT, fn.get("arguments", "") or "")
+                    .with_channel("commentary")
+                    .with_recipient(f"functions.{fn.get('name', '')}")
+                    .with_content_type("json")
+                )
+            continue
+        if role == "tool":
+            name = call_names.get(m.get("tool_call_id", ""), "")
+            out.append(
+                Message.from_author_and_content(
+                    Author.new(Role.TOOL, f"functions.{name}"), _flatten(m.get("content")) or ""
+                )
+                .with_channel("commentary")
+                .with_recipient("assistant")
+            )
+            continue
+        if role == "assistant" and reasoning:
+            out.append(
+                Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis")
+            )
+        content = m.get("content") or ""
+        texts = (
+            [TextContent(text=content)]
+            if isinstance(content, str)
+            else [TextContent(text=c.get("text", "")) for c in content]
+        )
+        if role == "assistant":
+            if texts and texts[0].text:
+                out.append(Message.from_role_and_contents(role, texts).with_channel("final"))
+        elif role in ("system", "developer"):
+            said = _flatten(m.get("content"))
+            if said is not None:
+                out.append(_harmony_developer(said, None))
+        else:
+            out.append(Message.from_role_and_contents(role, texts))
+    return out
+
+
+def _without_superseded_reasoning(messages: list[Any]) -> list[Any]:
+    finals = [
+        i for i, m in enumerate(messages) if m.author.role == "assistant" and m.channel == "final"
+    ]
+    cut = finals[-1] if finals else -1
+    return [m for i, m in enumerate(messages) if i >= cut or m.channel != "analysis"]
+
+
+def _older_tool_call_headers(encoding: Any, ids: list[int]) -> list[int]:
+    """vLLM feeds gpt-oss prior tool calls as ``assistant to=R<|channel|>C T``."""
+
+    def special(text: str) -> int:
+        return int(encoding.encode(text, allowed_special="all")[0])
+
+    start, channel, constrain, message = (
+        special(t) for t in ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>")
+    )
+    pos = 0
+    while pos < len(ids):
+        if ids[pos] != start:
+            pos += 1
+            continue
+        try:
+            end = ids.index(message, pos + 1)
+            ch = ids.index(channel, pos + 1, end)
+            co = ids.index(constrain, ch + 1, end)
+        except ValueError:
+            pos += 1
+            continue
+        author = encoding.decode(ids[pos + 1 : ch])
+        middle = encoding.decode(ids[ch + 1 : co])
+        kind = encoding.decode(ids[co + 1 : end])
+        if author != "assistant" or " to=" not in middle or not middle.endswith(" "):
+            pos = end + 1
+            continue
+        chan, recipient = middle[:-1].split(" to=", 1)
+        if not (chan and recipient and kind):
+            pos = end + 1
+            continue
+        header = [
+            start,
+            *encoding.encode(f"assistant to={recipient}"),
+            channel,
+            *encoding.encode(f"{chan} {kind}"),
+            message,
+        ]
+        ids[pos : end + 1] = header
+        pos += len(header)
+    return ids

@@ -81,6 +81,15 @@ class MistralPromptCounter(CountingApi):
             tokenizer = MistralTokenizer.from_file(str(file), mode=ValidationMode.test)
         except Exception as exc:  # a broken file or a missing optional backend is fatal
             raise TokenizerLoadError(str(file), str(exc)) from exc
+        if getattr(tokenizer.instruct_tokenizer.tokenizer, "model_settings_builder", None):
+            # Such tokenizers write the request's reasoning_effort and response_format (a
+            # JSON schema of any size) into the prompt; the counter is not given them, so it
+            # would count low: refuse to start rather than admit on a short count.
+            raise TokenizerLoadError(
+                str(file),
+                "this tokenizer encodes model settings (reasoning_effort, response_format) "
+                "into the prompt, which kvgate does not count yet",
+            )
         return cls(tokenizer, name=name or path.name)
 
     def use_cache(self, cache: SegmentCountCache | None) -> None:

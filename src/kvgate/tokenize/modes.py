@@ -100,6 +100,7 @@ def load_counter(
 
         return MistralPromptCounter.from_model_dir(path, name=name)
     if mode == "harmony":
-        # Counted as hf it would undercount every chat: refuse to start instead.
-        raise TokenizerLoadError(str(path), "gpt-oss (harmony) chats cannot be counted yet")
+        from kvgate.tokenize.harmony import HarmonyPromptCounter
+
+        return HarmonyPromptCounter.from_model_dir(path, name=name, counting_engine=counting_engine)
     return PromptCounter.from_model_dir(path, name=name, counting_engine=counting_engine)
