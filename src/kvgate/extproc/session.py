@@ -900,8 +900,11 @@ class StreamSession:
             lock_ttl_s=config.server.lease_ttl_s,
             track=self._svc.track,
             quota=cache_quota(config.response_cache, self.tenant),
+            tenant=self.tenant,
         )
         metrics.semantic_cache.labels(found.result.value).inc()
+        if found.bypass_reason is not None:
+            metrics.semantic_cache_bypasses.labels(found.bypass_reason).inc()
         if found.guard_refusals:
             metrics.semantic_cache_guard_refusals.inc(found.guard_refusals)
         if found.recorder is not None:

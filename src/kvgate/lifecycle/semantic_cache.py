@@ -36,7 +36,7 @@ from kvgate.cache.embeddings import (
     WordLlamaEmbedder,
 )
 from kvgate.cache.semantic import Candidate, EntryLog, SemanticEntry, SemanticIndex
-from kvgate.cache.semantic_guard import GuardLevel, guard_allows
+from kvgate.cache.semantic_guard import GuardLevel, guard_allows, refusal_reason
 from kvgate.config.model import ConfigError, ModelConfig, SemanticCacheConfig, TenantConfig
 from kvgate.lifecycle.idempotency import AnswerRecorder
 from kvgate.lifecycle.response_cache import deterministic
@@ -82,6 +82,7 @@ class SemanticLookup:
     similarity: float = 0.0
     recorder: AnswerRecorder | None = None
     guard_refusals: int = 0
+    bypass_reason: str | None = None  # why the question itself was not compared
 
 
 class SemanticCache:
@@ -196,12 +197,17 @@ async def lookup(
     lock_ttl_s: float,
     track: Callable[[Coroutine[Any, Any, None]], Any],
     quota: AnswerQuota | None = None,
+    tenant: str = "",
 ) -> SemanticLookup:
     """A stored answer to a similar question (a hit), or a recorder that stores and indexes
     this request's answer when it completes (a miss), in the tenant's `quota`. Any failure
     of the embedder or the store: UNAVAILABLE, and the request runs uncached."""
+    refusal = refusal_reason(query.question)
+    if refusal is not None:
+        # Text the guard cannot see but the model reads: never compared, never stored.
+        return SemanticLookup(SemanticResult.BYPASS, bypass_reason=refusal.value)
     try:
-        vectors = await cache.embedder.embed([query.question])
+        vectors = await cache.embedder.embed([query.question], tenant=tenant)
     except EmbeddingError as exc:
         log.info("semantic cache: no vector for this question: %s", exc)
         return SemanticLookup(SemanticResult.UNAVAILABLE)
@@ -286,7 +292,11 @@ def build_semantic_cache(
     embedder: Embedder
     if spec.kind == "wordllama":
         try:
-            embedder = WordLlamaEmbedder(dimensions=spec.dimensions)
+            embedder = WordLlamaEmbedder(
+                dimensions=spec.dimensions,
+                max_queued_per_tenant=spec.max_queued_per_tenant,
+                deadline_s=spec.timeout_s,
+            )
         except (EmbeddingError, ImportError) as exc:
             raise ConfigError(
                 f"semantic_cache.embedder wordllama cannot load: {exc} "
@@ -309,6 +319,7 @@ def build_semantic_cache(
             send_dimensions=spec.send_dimensions,
             timeout_s=spec.timeout_s,
             connect_timeout_s=min(spec.timeout_s, 0.5),
+            max_queued_per_tenant=spec.max_queued_per_tenant,
         )
     index = SemanticIndex(
         entries,
