@@ -796,7 +796,7 @@ class IdempotencyConfig(_Strict):
     # fit leaves a marker (a duplicate gets 409, never a second generation).
     tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=64 * 1024)
     # Duplicates of one tenant waiting for running requests, per replica (then 429).
-    max_waiting_per_tenant: int = Field(default=16, ge=1, le=10_000)
+    max_waiting_per_tenant: int = Field(default=32, ge=1, le=10_000)
 
 
 class KvgateConfig(_Strict):

@@ -901,6 +901,7 @@ class StreamSession:
             track=self._svc.track,
             quota=cache_quota(config.response_cache, self.tenant),
             tenant=self.tenant,
+            on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
         )
         metrics.semantic_cache.labels(found.result.value).inc()
         if found.bypass_reason is not None:

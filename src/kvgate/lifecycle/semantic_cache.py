@@ -198,6 +198,7 @@ async def lookup(
     track: Callable[[Coroutine[Any, Any, None]], Any],
     quota: AnswerQuota | None = None,
     tenant: str = "",
+    on_not_kept: Callable[[str], None] | None = None,
 ) -> SemanticLookup:
     """A stored answer to a similar question (a hit), or a recorder that stores and indexes
     this request's answer when it completes (a miss), in the tenant's `quota`. Any failure
@@ -260,6 +261,7 @@ async def lookup(
         on_stored=index_answer,
         quota=quota,
         stream=query.stream,
+        on_not_kept=on_not_kept,
     )
     return SemanticLookup(SemanticResult.MISS, recorder=recorder, guard_refusals=refused)
 
