@@ -23,7 +23,15 @@ import pytest
 from kvgate.tokenize import load_counter
 from kvgate.tokenize.counter import CountingApi
 from testbed.engine_models import gpt_oss_model_dir, mistral_tekken_model_dir
-from testbed.harness import DEFAULT_BACKEND, SimOptions, Stack, sim_reset, sim_stats
+from testbed.harness import (
+    DEFAULT_BACKEND,
+    SimOptions,
+    Stack,
+    sim_reset,
+    sim_stats,
+    tenant_totals,
+    wait_until,
+)
 
 MODEL = "mistral-tekken-demo"
 CHAT = "/v1/chat/completions"
@@ -168,6 +176,44 @@ def test_a_burst_of_floods_never_makes_the_engine_preempt(
     assert stats["peak_kv_tokens_used"] <= KV_BUDGET, stats
     assert stats["peak_running"] == fit, stats
     assert all(s["prompt_tokens"] == prompt for s in stats["served"]), stats["served"]
+
+
+def test_a_cut_stream_is_charged_the_output_counted_in_the_engines_tokens(
+    stack: Stack, counter: CountingApi
+) -> None:
+    """The engine sends 7 tokens and hangs; the client reads them and leaves. kvgate counts
+    the streamed text with mistral_common (plain text, no BOS): 7 tokens, as the engine."""
+    messages = [{"role": "user", "content": "[INST] tell a story </s>"}]
+    before = tenant_totals(stack)
+    received = 0
+    with (
+        httpx.Client(timeout=30.0) as client,
+        client.stream(
+            "POST",
+            stack.base_url + CHAT,
+            json={"model": MODEL, "messages": messages, "max_tokens": 100, "stream": True},
+            headers={
+                **stack.auth_headers(),
+                "x-sim-output-tokens": "100",
+                "x-sim-stall-after": "7",
+            },
+        ) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    received += 1
+            if received == 7:
+                break
+    expected = {"requests": 1, "prompt_tokens": counter.count_chat(messages), "output_tokens": 7}
+
+    def charged() -> dict[str, int]:
+        now = tenant_totals(stack)
+        return {key: now[key] - before[key] for key in before}
+
+    assert wait_until(charged, lambda delta: delta == expected, timeout=10.0) == expected
 
 
 GPT_OSS = "gpt-oss-demo"

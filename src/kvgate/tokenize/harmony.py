@@ -54,6 +54,10 @@ class HarmonyPromptCounter(PromptCounter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        text_engine, why = super().engine, self.engine_reason
+        self.engine_reason = f"gpt-oss chats are rendered by harmony; other text by {text_engine}"
+        if why:
+            self.engine_reason += f" ({why})"
         try:
             self._harmony = load_harmony_encoding()
         except Exception as exc:  # the library is missing or cannot build its vocabulary
@@ -70,6 +74,11 @@ class HarmonyPromptCounter(PromptCounter):
     @property
     def has_chat_template(self) -> bool:
         return True
+
+    @property
+    def engine(self) -> str:
+        """Chats are counted by the harmony library (completions by ``super().engine``)."""
+        return "harmony"
 
     # -- chat ---------------------------------------------------------------------------------
 

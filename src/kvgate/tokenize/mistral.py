@@ -55,7 +55,7 @@ class MistralPromptCounter(CountingApi):
 
     engine = "mistral-common"
     engine_reason = "the model is served in vLLM's mistral tokenizer mode"
-    # The encode_chat_completion call is the whole count: nothing is cached.
+    # mistral_common builds every chat prompt itself (no template file, none needed).
     has_chat_template = True
 
     def __init__(self, tokenizer: MistralTokenizer, *, name: str = "") -> None:
