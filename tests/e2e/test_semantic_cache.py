@@ -332,3 +332,29 @@ def test_a_new_cache_generation_puts_every_cached_answer_out_of_reach() -> None:
         assert again.headers["x-kvgate-cache"] == "miss"
         assert again.content != exact.content
         assert _arrived(stack) == arrived + 1
+
+
+def test_a_shared_entry_needs_both_tenants_opted_in_and_reveals_no_similarity() -> None:
+    loner_key = "sk-semantic-loner"
+    tenants = [
+        {"name": "demo", "api_key": DEMO_KEY, "semantic_cache": True, "cache_sharing": True},
+        {"name": "other", "api_key": OTHER_KEY, "semantic_cache": True, "cache_sharing": True},
+        {"name": "loner", "api_key": loner_key, "semantic_cache": True},
+    ]
+    with Stack(
+        tenants=tenants,
+        models=_models(),
+        sim={"extra_args": ["--embedding-model", "wordllama"]},
+        kvgate_overrides={"semantic_cache": {"enabled": True, "scope": "model"}},
+    ) as stack:
+        context = uuid.uuid4().hex
+        first = _answered(stack, _body(QUESTION, context))
+        hit = _hit(stack, _body(PARAPHRASE, context), OTHER_KEY)
+        assert hit.content == first.content
+        # Across tenants a hit reveals nothing but the answer: not how close the question
+        # another tenant asked was.
+        assert "x-kvgate-cache-similarity" not in hit.headers
+        # A tenant that did not opt in to sharing neither gets nor gives shared answers.
+        assert _post(stack, _body(PARAPHRASE, context), loner_key).headers["x-kvgate-cache"] == (
+            "miss"
+        )
