@@ -149,6 +149,27 @@ def test_a_pool_scrapes_each_endpoint_and_its_template_is_checked() -> None:
         parse_config(data)
 
 
+def test_every_wait_of_one_message_must_fit_one_envoy_extension() -> None:
+    """Envoy extends a message's timeout once: an Idempotency-Key's wait, a pool's queue and
+    the budget fallback model's pool's queue may all happen to one request body."""
+    data = base()
+    data["backends"][0]["endpoints"] = ["10.0.0.1:8000"]
+    data["backends"][0]["queue"] = {"max_wait_s": 20}
+    parse_config(data)  # 10 s (key) + 20 s (queue) + 1.5 s + 1 s fit 35 s
+    data["idempotency"] = {"max_wait_s": 15}
+    with pytest.raises(ConfigError, match="one request may wait 37.5 s in all"):
+        parse_config(data)
+    data["idempotency"] = {"enabled": False}
+    data["tenants"][0]["budget"] = {
+        "daily_usd": "1",
+        "action": "fallback",
+        "fallback_model": data["models"][0]["name"],
+    }
+    # A fallback re-queues in its model's pool: 20 s twice.
+    with pytest.raises(ConfigError, match="a budget fallback pool's queue 20 s"):
+        parse_config(data)
+
+
 def test_a_queue_bound_envoy_would_not_honour_is_refused() -> None:
     data = base()
     data["backends"][0]["endpoints"] = ["10.0.0.1:8000"]

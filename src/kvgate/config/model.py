@@ -905,7 +905,6 @@ class KvgateConfig(_Strict):
                 f"server.decision_timeout_s + {QUEUE_DEADLINE_MARGIN_S:g} s is over "
                 f"server.envoy_max_message_timeout_s ({server.envoy_max_message_timeout_s:g} s)"
             )
-        self._one_message_waits_fit()
         for i, backend in enumerate(self.backends):
             queue = backend.queue
             if queue is not None and (
@@ -920,6 +919,7 @@ class KvgateConfig(_Strict):
                     " s, Envoy's max_message_timeout): Envoy would ignore the extension and "
                     "answer 504"
                 )
+        self._one_message_waits_fit()
         backends = {b.name for b in self.backends}
         for i, model in enumerate(self.models):
             if model.backend not in backends:
