@@ -117,7 +117,10 @@ class MistralSimTokenizer(SimTokenizer):
         return ids, texts
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
-        if kwargs.get("chat_template") is not None or kwargs.get("chat_template_kwargs"):
+        if (
+            kwargs.get("chat_template") is not None
+            or kwargs.get("chat_template_kwargs") is not None
+        ):
             raise PromptError("chat_template is not supported for Mistral tokenizers.")
         add_generation_prompt = bool(kwargs.get("add_generation_prompt", True))
         continue_final_message = bool(kwargs.get("continue_final_message", False))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_sim import protocol
@@ -273,7 +273,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     documents: Any = None
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -301,8 +301,9 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     if tool_choice not in (None, "none") and tools is None:
         raise _value_error("When using `tool_choice`, `tools` must be set.", body)
 
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
+    # None when not sent: vLLM's mistral mode refuses the field whenever it is set.
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
         raise _type_error(
             "dict_type", "Input should be a valid dictionary", _loc("chat_template_kwargs"), kwargs
         )
