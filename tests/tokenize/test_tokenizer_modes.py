@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kvgate.tokenize import (
     load_counter,
     resolve_tokenizer_dir,
 )
+from kvgate.tokenize.loader import MISTRAL_WEIGHTS_RECORD
 from kvgate.tokenize.mistral import MistralPromptCounter
 from testbed.demo_model import demo_model_dir
 from testbed.engine_models import mistral_tekken_model_dir
@@ -39,6 +41,13 @@ def test_dual_format_dir_follows_vllms_rule(tmp_path: Path) -> None:
     shutil.copyfile(mistral_tekken_model_dir() / "tekken.json", dual / "tekken.json")
     assert detect_tokenizer_mode(dual) == "hf"
     assert isinstance(load_counter(dual), PromptCounter)
+    # A hub snapshot (no weights fetched) says so through the loader's record.
+    record = dual / MISTRAL_WEIGHTS_RECORD
+    record.write_text(json.dumps({"consolidated_weights": []}))
+    assert detect_tokenizer_mode(dual) == "hf"
+    record.write_text(json.dumps({"consolidated_weights": ["consolidated.safetensors"]}))
+    assert detect_tokenizer_mode(dual) == "mistral"
+    record.unlink()
     (dual / "consolidated.safetensors").write_bytes(b"")
     assert detect_tokenizer_mode(dual) == "mistral"
     # An explicit mode wins, like vLLM's --tokenizer-mode.

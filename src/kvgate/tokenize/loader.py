@@ -6,6 +6,9 @@ fetched once at start-up (tokenizer files only, never weights). Tests never down
 
 from __future__ import annotations
 
+import fnmatch
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -26,6 +29,9 @@ ALLOW_PATTERNS = [
     "params.json",
 ]
 _TRUTHY = {"1", "on", "yes", "true"}
+# Written into a fetched snapshot: the repo's Mistral-format weight files (never fetched).
+MISTRAL_WEIGHTS_RECORD = "kvgate_mistral_weights.json"
+log = logging.getLogger("kvgate.tokenize")
 
 
 def _missing(path: Path) -> list[str]:
@@ -94,4 +100,32 @@ def _fetch_from_hub(repo_id: str, cache_dir: Path) -> Path:
         raise TokenizerLoadError(
             repo_id, f"the repo has no {', '.join(missing)} (a fast tokenizer is needed)"
         )
+    if not offline:
+        _record_mistral_weights(repo_id, path)
     return path
+
+
+def _record_mistral_weights(repo_id: str, snapshot: Path) -> None:
+    """Note beside the snapshot whether the repo holds Mistral-format weights.
+
+    vLLM serves a repo with a Mistral tokenizer file in its mistral mode only when the repo
+    also has ``consolidated*.safetensors``; the weights are never fetched, so the answer is
+    kept in ``MISTRAL_WEIGHTS_RECORD`` for the mode choice (and for offline restarts).
+    """
+    if not any(any(snapshot.glob(pattern)) for pattern in MISTRAL_TOKENIZER_FILES):
+        return
+    record = snapshot / MISTRAL_WEIGHTS_RECORD
+    if record.exists():
+        return
+    try:
+        from huggingface_hub import list_repo_files
+
+        names = list_repo_files(repo_id, revision=snapshot.name)
+    except Exception as exc:  # the hub raises many types; the mode then follows local files
+        log.warning(
+            "could not list the repo's files to tell its tokenizer mode",
+            extra={"repo": repo_id, "error": str(exc)},
+        )
+        return
+    weights = sorted(n for n in names if fnmatch.fnmatch(n, "consolidated*.safetensors"))
+    record.write_text(json.dumps({"consolidated_weights": weights}), encoding="utf-8")

@@ -10,8 +10,9 @@
 ``tokenizer.model.v*``) is the mistral mode when the directory also holds Mistral-format
 weights (``consolidated*.safetensors``, vLLM's own condition) or has no ``tokenizer.json``
 (a Mistral-format-only directory, which nothing but mistral_common can read); anything
-else is ``hf``. A model served with an explicit ``--tokenizer-mode`` takes the same
-setting here.
+else is ``hf``. A hub snapshot carries no weights: the loader records whether the repo has
+them when it fetches the tokenizer files. A model served with an explicit
+``--tokenizer-mode`` takes the same setting here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Literal
 
 from kvgate.tokenize.counter import CountingApi, PromptCounter
 from kvgate.tokenize.errors import TokenizerLoadError
+from kvgate.tokenize.loader import MISTRAL_WEIGHTS_RECORD
 
 TokenizerMode = Literal["auto", "hf", "mistral", "harmony"]
 ResolvedMode = Literal["hf", "mistral", "harmony"]
@@ -56,10 +58,21 @@ def detect_tokenizer_mode(model_dir: Path) -> ResolvedMode:
     except OSError:
         return "hf"
     if any(_has(names, p) for p in MISTRAL_TOKENIZER_PATTERNS) and (
-        _has(names, MISTRAL_WEIGHTS_PATTERN) or "tokenizer.json" not in names
+        _has(names, MISTRAL_WEIGHTS_PATTERN)
+        or _recorded_weights(model_dir)
+        or "tokenizer.json" not in names
     ):
         return "mistral"
     return "hf"
+
+
+def _recorded_weights(model_dir: Path) -> bool:
+    """Whether a fetched hub snapshot's record lists Mistral-format weights."""
+    try:
+        record = json.loads((model_dir / MISTRAL_WEIGHTS_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and bool(record.get("consolidated_weights"))
 
 
 def resolve_tokenizer_mode(configured: str, model_dir: Path) -> ResolvedMode:
