@@ -95,6 +95,7 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
             name=model.name,
             counting_engine=model.counting_engine,
             tokenizer_mode=model.tokenizer_mode,
+            harmony_system_instructions=model.harmony_system_instructions,
         )
         if counter.engine != "compiled-bpe":
             log.info(

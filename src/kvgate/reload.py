@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.config import ConfigError, KvgateConfig, SnapshotHolder, compile_snapshot, load_config
+from kvgate.config.model import ModelConfig
 from kvgate.metrics import Metrics
 from kvgate.tokenize import TokenizerService, load_counter, resolve_tokenizer_dir
 
@@ -119,6 +120,7 @@ FIELD_CLASSES: dict[str, str] = {
     "models.*.tokenizer": RELOAD,  # loaded before the swap
     "models.*.counting_engine": RELOAD,  # the tokenizer is loaded again before the swap
     "models.*.tokenizer_mode": RELOAD,  # likewise
+    "models.*.harmony_system_instructions": RELOAD,  # likewise
     "models.*.max_context": RELOAD,
     "models.*.default_max_new_tokens": RELOAD,
     "models.*.backend": RELOAD,
@@ -252,6 +254,16 @@ def restart_only_changes(old: KvgateConfig, new: KvgateConfig) -> list[str]:
     ]
 
 
+def _tokenizer_settings(model: ModelConfig) -> tuple[object, ...]:
+    """What a model's counter is loaded from: a change loads it again."""
+    return (
+        model.tokenizer,
+        model.counting_engine,
+        model.tokenizer_mode,
+        model.harmony_system_instructions,
+    )
+
+
 class ConfigReloader:
     def __init__(
         self,
@@ -355,17 +367,13 @@ class ConfigReloader:
 
     def _load_tokenizers(self, old: KvgateConfig, new: KvgateConfig) -> None:
         """Load tokenizers of new or changed models before anything is swapped."""
-        previous = {m.name: (m.tokenizer, m.counting_engine, m.tokenizer_mode) for m in old.models}
+        previous = {m.name: _tokenizer_settings(m) for m in old.models}
         cache_dir = Path(new.server.tokenizer_cache_dir)
         if cache_dir != Path(old.server.tokenizer_cache_dir):
             previous = {}  # every model is loaded again, from the new cache directory
         loaded = {}
         for model in new.models:
-            if previous.get(model.name) == (
-                model.tokenizer,
-                model.counting_engine,
-                model.tokenizer_mode,
-            ):
+            if previous.get(model.name) == _tokenizer_settings(model):
                 continue
             model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
             loaded[model.name] = load_counter(
@@ -373,6 +381,7 @@ class ConfigReloader:
                 name=model.name,
                 counting_engine=model.counting_engine,
                 tokenizer_mode=model.tokenizer_mode,
+                harmony_system_instructions=model.harmony_system_instructions,
             )
         for name, counter in loaded.items():
             self._tokenizers.register(name, counter)

@@ -171,3 +171,30 @@ def test_counting_cost_against_the_hf_path(counter: CountingApi, model_dir: Path
     hf_s = time.perf_counter() - started
     print(f"harmony chat {harmony_s * 1000:.1f} ms, hf text {hf_s * 1000:.1f} ms")
     assert harmony_s < 1.0
+
+
+def test_instructions_in_the_system_message_count_like_the_engine(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=1 puts instructions in the system
+    message, and renders a later system message as a whole system message (longer)."""
+    monkeypatch.setenv("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS", "1")
+    engine = HarmonySimTokenizer(model_dir)
+    counter = load_counter(model_dir, harmony_system_instructions=True)
+    default = load_counter(model_dir)
+    cases = [c for c in CASES if c.messages[0]["role"] == "system"] + [
+        ChatCase(
+            "later system and developer",
+            [
+                {"role": "system", "content": "Lead <|start|>"},
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "Be brief <|end|>"},
+                {"role": "developer", "content": "dev note"},
+                {"role": "user", "content": "again"},
+            ],
+            tools=[{"type": "function", "function": {"name": "noop"}}],
+        )
+    ]
+    for case in cases:
+        assert kvgate_count(counter, case) == engine_count(engine, case), case.name
+    assert kvgate_count(counter, cases[-1]) > kvgate_count(default, cases[-1])

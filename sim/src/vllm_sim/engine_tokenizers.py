@@ -173,13 +173,19 @@ class HarmonySimTokenizer(SimTokenizer):
         from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
         self._harmony = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+        # vLLM's switch: instructions in the system message rather than a developer one.
+        self.system_instructions = bool(
+            int(os.environ.get("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS", "0"))
+        )
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         from openai_harmony import Conversation, RenderConversationConfig, Role
 
         preprocess_messages(messages, "openai")  # text parts only, as the HF path
         try:
-            built = _harmony_request(copy.deepcopy(list(messages)), kwargs.get("tools"))
+            built = _harmony_request(
+                copy.deepcopy(list(messages)), kwargs.get("tools"), self.system_instructions
+            )
             kept = _without_superseded_reasoning(built)
             ids = self._harmony.render_conversation_for_completion(
                 Conversation.from_messages(kept),
@@ -210,11 +216,24 @@ def _flatten(content: Any) -> str | None:
     return "".join(found) if found else None
 
 
-def _harmony_developer(instructions: str | None, tools: Any) -> Any:
+def _harmony_system(instructions: str | None) -> Any:
+    from openai_harmony import Message, Role, SystemContent
+
+    system = SystemContent.new()
+    if instructions is not None:
+        identity = system.model_identity
+        system = system.with_model_identity(
+            instructions if not identity else identity + "\n" + instructions
+        )
+    system = system.with_conversation_start_date(datetime.datetime.now().strftime("%Y-%m-%d"))
+    return Message.from_role_and_content(Role.SYSTEM, system)
+
+
+def _harmony_developer(instructions: str | None, tools: Any, in_system: bool = False) -> Any:
     from openai_harmony import DeveloperContent, Message, Role, ToolDescription
 
     dev = DeveloperContent.new()
-    if instructions is not None:
+    if instructions is not None and not in_system:
         dev = dev.with_instructions(instructions)
     functions = [
         ToolDescription.new(
@@ -230,19 +249,23 @@ def _harmony_developer(instructions: str | None, tools: Any) -> Any:
     return Message.from_role_and_content(Role.DEVELOPER, dev)
 
 
-def _harmony_request(messages: list[dict[str, Any]], tools: Any) -> list[Any]:
-    from openai_harmony import Author, Message, Role, SystemContent, TextContent
+def _harmony_request(
+    messages: list[dict[str, Any]], tools: Any, in_system: bool = False
+) -> list[Any]:
+    from openai_harmony import Author, Message, Role, TextContent
 
     instructions = None
     if messages and messages[0].get("role") in ("system", "developer"):
         instructions = _flatten(messages[0].get("content"))
         messages = messages[1:]
-    system = SystemContent.new().with_conversation_start_date(
-        datetime.datetime.now().strftime("%Y-%m-%d")
-    )
-    out: list[Any] = [Message.from_role_and_content(Role.SYSTEM, system)]
-    if instructions or tools:
-        out.append(_harmony_developer(instructions, tools))
+    if in_system:
+        out: list[Any] = [_harmony_system(instructions)]
+        if tools:
+            out.append(_harmony_developer(None, tools, in_system=True))
+    else:
+        out = [_harmony_system(None)]
+        if instructions or tools:
+            out.append(_harmony_developer(instructions, tools))
 
     call_names: dict[Any, Any] = {}
     for m in messages:
@@ -302,8 +325,10 @@ def _harmony_request(messages: list[dict[str, Any]], tools: Any) -> list[Any]:
                 out.append(Message.from_role_and_contents(role, texts).with_channel("final"))
         elif role in ("system", "developer"):
             said = _flatten(m.get("content"))
-            if said is not None:
-                out.append(_harmony_developer(said, None))
+            if said is not None and role == "system" and in_system:
+                out.append(_harmony_system(said))
+            elif said is not None:
+                out.append(_harmony_developer(said, None, in_system))
         else:
             out.append(Message.from_role_and_contents(role, texts))
     return out

@@ -352,6 +352,9 @@ class ModelConfig(_Strict):
     # tokenizer.model.v* with consolidated weights, or without tokenizer.json -> mistral;
     # else hf). Set it when vLLM is started with an explicit --tokenizer-mode.
     tokenizer_mode: Literal["auto", "hf", "mistral", "harmony"] = "auto"
+    # gpt-oss only: vLLM runs with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=1 (instructions in
+    # the system message, and a system message mid-conversation a whole new one).
+    harmony_system_instructions: bool = False
     # The semantic cache may answer this model's requests (for tenants that opt in too).
     semantic_cache: bool = False
     # Whether the exact-match cache may serve this model's sampled (temperature > 0)

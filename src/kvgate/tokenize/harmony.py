@@ -52,6 +52,10 @@ def load_harmony_encoding() -> HarmonyEncoding:
 class HarmonyPromptCounter(PromptCounter):
     """A gpt-oss model: chats through harmony, everything else as ``PromptCounter``."""
 
+    # Instructions in the system message instead of a developer message, as vLLM renders
+    # them with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS set.
+    instructions_in_system = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         text_engine, why = super().engine, self.engine_reason
@@ -114,7 +118,11 @@ class HarmonyPromptCounter(PromptCounter):
         if tools is not None and not isinstance(tools, list):
             raise PromptRenderError("tools must be a list")
         try:
-            return _build_messages([copy.deepcopy(dict(m)) for m in messages], tools)
+            return _build_messages(
+                [copy.deepcopy(dict(m)) for m in messages],
+                tools,
+                in_system=self.instructions_in_system,
+            )
         except PromptRenderError:
             raise
         except Exception as exc:  # the library's own validation
@@ -217,21 +225,27 @@ def _joined_text(content: Any) -> str | None:
     return "".join(present) if present else None
 
 
-def _system_message() -> Message:
+def _system_message(instructions: str | None = None) -> Message:
     from openai_harmony import Message, Role, SystemContent
 
+    content = SystemContent.new()
+    if instructions is not None:  # only when instructions go to the system message
+        identity = content.model_identity
+        content = content.with_model_identity(
+            f"{identity}\n{instructions}" if identity else instructions
+        )
     # vLLM dates the conversation with the server's local date (the same token count any day).
     today = datetime.datetime.now().strftime("%Y-%m-%d")
-    return Message.from_role_and_content(
-        Role.SYSTEM, SystemContent.new().with_conversation_start_date(today)
-    )
+    return Message.from_role_and_content(Role.SYSTEM, content.with_conversation_start_date(today))
 
 
-def _developer_message(instructions: str | None, tools: list[dict[str, Any]] | None) -> Message:
+def _developer_message(
+    instructions: str | None, tools: list[dict[str, Any]] | None, *, in_system: bool
+) -> Message:
     from openai_harmony import DeveloperContent, Message, Role, ToolDescription
 
     content = DeveloperContent.new()
-    if instructions is not None:
+    if instructions is not None and not in_system:
         content = content.with_instructions(instructions)
     described = []
     for i, tool in enumerate(tools or []):
@@ -254,15 +268,22 @@ def _developer_message(instructions: str | None, tools: list[dict[str, Any]] | N
 
 
 def _build_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, in_system: bool
 ) -> list[Any]:
+    """``in_system``: instructions go to the system message (vLLM's
+    VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS), else to a developer message."""
     instructions: str | None = None
     if messages and messages[0].get("role") in ("system", "developer"):
         instructions = _joined_text(messages[0].get("content"))
         messages = messages[1:]
-    out = [_system_message()]
-    if instructions or tools:
-        out.append(_developer_message(instructions, tools))
+    if in_system:
+        out = [_system_message(instructions)]
+        if tools:
+            out.append(_developer_message(None, tools, in_system=True))
+    else:
+        out = [_system_message()]
+        if instructions or tools:
+            out.append(_developer_message(instructions, tools, in_system=False))
 
     names_by_call_id: dict[Any, Any] = {}
     for message in messages:
@@ -270,11 +291,13 @@ def _build_messages(
             function = call.get("function") if isinstance(call, Mapping) else None
             names_by_call_id[call.get("id")] = (function or {}).get("name")
     for message in messages:
-        out.extend(_conversation_message(message, names_by_call_id))
+        out.extend(_conversation_message(message, names_by_call_id, in_system=in_system))
     return out
 
 
-def _conversation_message(message: dict[str, Any], names_by_call_id: dict[Any, Any]) -> list[Any]:
+def _conversation_message(
+    message: dict[str, Any], names_by_call_id: dict[Any, Any], *, in_system: bool
+) -> list[Any]:
     from openai_harmony import Author, Message, Role, TextContent
 
     role = message.get("role")
@@ -329,8 +352,10 @@ def _conversation_message(message: dict[str, Any], names_by_call_id: dict[Any, A
             built.append(Message.from_role_and_contents(role, parts).with_channel("final"))
     elif role in ("system", "developer"):
         instructions = _joined_text(message.get("content"))
-        if instructions is not None:
-            built.append(_developer_message(instructions, None))
+        if instructions is not None and role == "system" and in_system:
+            built.append(_system_message(instructions))
+        elif instructions is not None:
+            built.append(_developer_message(instructions, None, in_system=in_system))
     else:
         built.append(Message.from_role_and_contents(role, parts))
     return built

@@ -104,8 +104,12 @@ def load_counter(
     name: str = "",
     counting_engine: str = "auto",
     tokenizer_mode: str = "auto",
+    harmony_system_instructions: bool = False,
 ) -> CountingApi:
-    """The counter for ``model_dir`` in the mode vLLM serves it in."""
+    """The counter for ``model_dir`` in the mode vLLM serves it in.
+
+    ``harmony_system_instructions``: vLLM runs with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS
+    (gpt-oss instructions in the system message)."""
     path = Path(model_dir)
     mode = resolve_tokenizer_mode(tokenizer_mode, path)
     if mode == "mistral":
@@ -115,5 +119,9 @@ def load_counter(
     if mode == "harmony":
         from kvgate.tokenize.harmony import HarmonyPromptCounter
 
-        return HarmonyPromptCounter.from_model_dir(path, name=name, counting_engine=counting_engine)
+        counter = HarmonyPromptCounter.from_model_dir(
+            path, name=name, counting_engine=counting_engine
+        )
+        counter.instructions_in_system = harmony_system_instructions
+        return counter
     return PromptCounter.from_model_dir(path, name=name, counting_engine=counting_engine)
