@@ -1,4 +1,4 @@
-"""Issue 12: a response-cache hit's latency and kvgate CPU against a miss, one request in flight.
+"""A response-cache hit's latency and kvgate CPU against a miss, one request in flight.
 
     .venv/bin/python -m bench.cache            # 160 steps (~3.5 min)
     .venv/bin/python -m bench.cache --quick    # 30 steps (~1 min)
@@ -57,7 +57,7 @@ stream arms' is stream-miss, sem-hit's is sem-miss, and sem-miss's is the exact-
 (what the semantic lookup adds to a miss).
 
 Writes `cache.md` and `cache.json` (the tables, settings, every request) to `--out` (default
-bench/results/issue12); the processes' logs stay in var/bench/cache-<date>/stack/logs.
+bench/results/caches); the processes' logs stay in var/bench/cache-<date>/stack/logs.
 """
 
 from __future__ import annotations
@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-envoy", action="store_true", help="without the plain-Envoy arm")
     parser.add_argument("--no-semantic", action="store_true", help="without the sem-* arms")
     parser.add_argument("--pause-ms", type=float, default=2.0, help="after each response")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "issue12")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "caches")
     args = parser.parse_args(argv)
     steps = args.iterations or (30 if args.quick else 160)
     arms = [
@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     md = "\n".join(
         [
-            "# Issue 12: a response-cache hit against a miss (kvgate CPU and latency)\n",
+            "# A response-cache hit against a miss (kvgate CPU and latency)\n",
             f"`{command}`\n",
             f"{when}; commit {commit}{dirty}; {os.cpu_count()} CPUs; {steps} steps "
             f"({len(samples)} measured requests in {wall:.0f} s, {time.time() - started:.0f} s "

@@ -1,4 +1,4 @@
-"""Issue 13: pools. Prefix affinity, fair queueing and the cost of picking, measured.
+"""Pools: prefix affinity, fair queueing and the cost of picking, measured.
 
     .venv/bin/python -m bench.pools --quick    # ~2 min: short versions of every part
     .venv/bin/python -m bench.pools            # the published run (~7 min)
@@ -10,7 +10,7 @@ arm is a hot reload of its config, SIGHUP, checked with `kvgate_config_reloads_t
 failed reload would restart it, noted in the results), its Envoy (`envoy/envoy.yaml`,
 `--concurrency 1`, with the pool's ORIGINAL_DST cluster and a STATIC round-robin cluster of
 r0-r2) and, for part 3, a kvgate with one plain backend (c0) behind its own Envoy and a plain
-Envoy without ext_proc. Results: `bench/results/issue13/pools.json`, `pools.md` and
+Envoy without ext_proc. Results: `bench/results/pools/pools.json`, `pools.md` and
 `pools-requests.csv.gz` (every request of parts 1 and 2); `pools-quick.*` with --quick; `--out
 DIR` writes there instead. Process logs: `var/bench/pools-<date>/logs` (kept with --keep).
 Before each arm the run waits (bounded) for the shared machine to be quiet, and records the
@@ -129,7 +129,7 @@ RR = "vllm-rr"
 SINGLE = "vllm-local"
 BLOCK = 16
 BIG = 200_000_000  # a budget nothing reaches
-RESULTS = REPO_ROOT / "bench" / "results" / "issue13"
+RESULTS = REPO_ROOT / "bench" / "results" / "pools"
 PARTS = ("affinity", "fairness", "cost")
 REPLICAS = 3
 # Simulators of parts 1 and 2 (prefix caching on), and of part 3 (answering at once).
@@ -1738,7 +1738,8 @@ def _pct(value: Any) -> str:
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = [
-        "# Issue 13: pools" + (" (quick)" if meta["quick"] else ""),
+        "# Pools: prefix affinity, fair queueing and the cost of picking"
+        + (" (quick)" if meta["quick"] else ""),
         "",
         f"`python -m bench.pools{' --quick' if meta['quick'] else ''}` on commit "
         f"`{meta['commit']}`"

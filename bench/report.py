@@ -499,7 +499,7 @@ def summary_tables(rows: Sequence[Row], meta: dict[str, Any]) -> tuple[str, list
 
     targets = target_rows(summary)
     if targets:
-        md.append("\n### Targets (issue 6)\n")
+        md.append("\n### Performance targets\n")
         md.append(
             _table(
                 ["target", "measured", "goal", "met", "by"],

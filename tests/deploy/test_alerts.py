@@ -6,7 +6,7 @@
   only labels those series carry are matched or grouped by.
 - Every alert has a severity, a summary and a description that says what to look at; `critical`
   only for sustained conditions (`for:` >= 5 minutes, never "any increase").
-- The alerts of issue 14: per-target and all-gone absence, Envoy's ext_proc failures, the
+- The operational alerts: per-target and all-gone absence, Envoy's ext_proc failures, the
   state store (down, errors at a rate, failing closed, settlements piling up).
 - The ServiceMonitor names the jobs the alerts select.
 - The dashboard: in-flight and budget panels aggregate replicas the same way (per store),
@@ -236,7 +236,7 @@ def test_critical_only_when_sustained() -> None:
         assert not {n for n in names if n.startswith("kvgate_store_")}, name
 
 
-# --------------------------------------------------------------------------- issue 14's alerts
+# --------------------------------------------------------------------------- the alerts
 
 
 def test_absence_per_target_and_all_gone() -> None:

@@ -1,4 +1,4 @@
-"""Issue 14's edge settings in every shipped Envoy config, and the split response layout in
+"""The client-facing edge settings in every shipped Envoy config, and the split response layout in
 deploy/ for each target.
 
 Edge: the values are read from envoy/envoy.yaml (the reference) and required, unchanged, in

@@ -884,8 +884,8 @@ def test_envoy_gateway_routes_every_kvgate_backend() -> None:
 
 
 # --------------------------------------------------------------------------- the edge
-# Who may reach a backend, and who may steer Envoy (issue 9, holes 1 and 14), asserted for
-# every shipped config. tests/e2e/test_edge_holes.py runs the real Envoy on them.
+# Who may reach a backend (only what kvgate admitted), and who may steer Envoy (no client),
+# asserted for every shipped config. tests/e2e/test_edge_holes.py runs the real Envoy on them.
 
 # The local error for a request kvgate did not decide on.
 NOT_ADMITTED = {

@@ -4,7 +4,7 @@ what may import what outside it (tests/, testbed/, bench/).
 The vLLM simulator is a test double with its own distribution (`sim/`, `vllm-sim`), installed
 next to kvgate for development by the Makefile; it must not come back into the runtime wheel.
 
-And (issue 14) what the distribution and the image are built from: dependency floors that the
+And what the distribution and the image are built from: dependency floors that the
 committed generated code needs, the image's constraints file (every runtime dependency pinned
 exactly, each pin within pyproject's range), the Apache-2.0 LICENSE, and the Dockerfile's base
 image argument, OCI labels, baked tokenizers and non-root user.
@@ -101,7 +101,7 @@ def test_package_data_globs_match_files() -> None:
             assert list(root.glob(pattern)), f"{package}: {pattern} matches nothing"
 
 
-# --------------------------------------------------------------------------- issue 14: packaging
+# --------------------------------------------------------------------------- packaging
 # Floors, the image's constraints file, the LICENSE, and what the Dockerfile promises (base image
 # as a build argument, OCI labels, baked tokenizers, non-root user).
 

@@ -1,4 +1,5 @@
-"""The Envoy edge of the meter (issue 9, holes 1 and 14), against the real Envoy.
+"""The Envoy edge of the meter, against the real Envoy: only what kvgate admitted reaches a
+backend, and no client can make Envoy retry.
 
 Hole 1: a request Envoy forwards must have been admitted by kvgate. With HTTP/2 request
 trailers Envoy hands kvgate the buffered body with end_of_stream=false; whatever kvgate

@@ -1,4 +1,4 @@
-"""Issue 9, hole 3: large answers are booked exactly, end to end.
+"""Large answers are booked exactly, end to end.
 
 client -> real Envoy -> kvgate -> the vLLM simulator. Logprobs (`top_logprobs: 20`), `n`
 and `echo` let any client make an answer as large as it likes: a non-streamed body over

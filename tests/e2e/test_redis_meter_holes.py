@@ -1,7 +1,8 @@
-"""Issue 9, holes 7 and 15 (13: see below) against the real stack: Envoy -> kvgate (one
-replica, its state in a private redis-server on a free port) -> the vLLM simulator. The outage is a
-SIGSTOP of that Redis (connections stay open, nothing answers; what kvgate sent meanwhile
-waits in the sockets and runs when SIGCONT resumes it).
+"""A Redis outage against the real stack (a live stream, interrupted reserves; a late
+redelivered settlement: see below): Envoy -> kvgate (one replica, its state in a private
+redis-server on a free port) -> the vLLM simulator. The outage is a SIGSTOP of that Redis
+(connections stay open, nothing answers; what kvgate sent meanwhile waits in the sockets
+and runs when SIGCONT resumes it).
 
 - Hole 15, a short outage frees a live stream: a stream served through a 3.8 s outage under
   a 5 s lease keeps its reservation (kvgate's in-flight gauges and Redis itself show exactly

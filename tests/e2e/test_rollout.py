@@ -1,4 +1,4 @@
-"""Rolling a gateway pod (issue 14): no generation is cut, every one is settled once.
+"""Rolling a gateway pod: no generation is cut, every one is settled once.
 
 The sequence is the one deploy/kubernetes/gateway-with-sidecar.yaml runs when the pod is
 deleted, with the hooks' commands read from the manifest (paths and the admin address swapped
@@ -8,7 +8,7 @@ listeners, waits for its requests in flight, writes the done file) and Envoy's s
 Envoy. Envoy runs with the manifest's `--drain-strategy` and a shorter `--drain-time-s`.
 
 The negative control runs the old manifests' order (no kvgate preStop, so kvgate gets SIGTERM
-at t0; Envoy's preStop only `sleep 5`, then SIGTERM) and shows what the issue reported: new
+at t0; Envoy's preStop only `sleep 5`, then SIGTERM) and shows what used to happen: new
 requests get 503 while the pod is still in the endpoints, and Envoy's exit cuts the streams
 in flight. Swap the new hooks for the old ones in the first test and it fails the same way.
 """

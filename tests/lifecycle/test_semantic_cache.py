@@ -28,7 +28,7 @@ from kvgate.policy import ActualUsage, SettleCause
 
 pytest.importorskip("wordllama")
 
-RESULTS = Path(__file__).parents[2] / "bench" / "results" / "issue12" / "semantic_threshold.json"
+RESULTS = Path(__file__).parents[2] / "bench" / "results" / "caches" / "semantic_threshold.json"
 SETTINGS = SemanticCacheConfig(enabled=True)
 # A whole chat completion: only complete answers are kept.
 PARIS = json.dumps(

@@ -1,4 +1,4 @@
-"""Issue 9, holes 3 and 11: the SSE filter on answers of any size.
+"""The SSE filter on answers of any size.
 
 Large events (logprobs, n, echo) must not stop the meter: usage is found inside
 or after them, the injected usage event is still stripped, memory stays bounded,

@@ -1,4 +1,4 @@
-"""Issue 9, hole 7 at the admission level: an interrupted reserve is released.
+"""At the admission level, an interrupted reserve is released.
 
 A real kvgate (memory store) behind a real grpc.aio channel; its store and tokenizers are
 wrapped so that one call of the admission path pauses (the JSON parse off the loop, the

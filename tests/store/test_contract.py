@@ -365,7 +365,7 @@ def remaining_requests(decision: Decision) -> int | None:
 async def test_a_passing_precheck_takes_one_request_from_every_rpm_scope(
     make_store: StoreFactory,
 ) -> None:
-    """Issue 9, hole 6: the RPM slot is taken before the prompt is tokenized."""
+    """The RPM slot is taken before the prompt is tokenized."""
     store = make_store()
     policy = tenant(
         limits=ScopeLimits(rpm=rpm(3)),
@@ -484,7 +484,7 @@ async def test_settlement_is_idempotent(make_store: StoreFactory) -> None:
 async def test_an_expired_lease_frees_capacity_and_is_still_billed_once(
     make_store: StoreFactory, clock: ManualClock
 ) -> None:
-    """Issue 9, hole 4: lease expiry frees the capacity, the bill survives."""
+    """Lease expiry frees the capacity, the bill survives."""
     expired: list[Reservation] = []
     store = make_store(lease_ttl_s=30, on_lease_expired=expired.append)
     policy = tenant(
@@ -529,8 +529,8 @@ async def test_an_expired_lease_frees_capacity_and_is_still_billed_once(
 async def test_renewing_keeps_the_bill_and_an_abandoned_bill_lapses(
     make_store: StoreFactory, clock: ManualClock
 ) -> None:
-    """Issue 9, holes 4 and 13: a bill lives as long as its request is renewed, then lapses
-    after its retention; a settlement after that (or a duplicate) books nothing."""
+    """A bill lives as long as its request is renewed, then lapses after its retention; a
+    settlement after that (or a duplicate) books nothing."""
     store = make_store(lease_ttl_s=30, bill_retention_s=100)
     renewed = await admitted(store, req(10, 10, rid="renewed"))
     forgotten = await admitted(store, req(10, 10, rid="forgotten"))
@@ -549,7 +549,7 @@ async def test_renewing_keeps_the_bill_and_an_abandoned_bill_lapses(
 async def test_a_late_duplicate_settlement_books_nothing(
     make_store: StoreFactory, clock: ManualClock
 ) -> None:
-    """Issue 9, hole 13: idempotency does not depend on a retention window."""
+    """Settling is idempotent without depending on a retention window."""
     store = make_store(lease_ttl_s=30)
     first = await admitted(store, req(10, 10, rid="a"))
     assert await settle(store, first, 10, 5, cost=7)
@@ -565,7 +565,7 @@ async def test_a_late_duplicate_settlement_books_nothing(
 
 
 async def test_abandon_releases_everything_a_reserve_took(make_store: StoreFactory) -> None:
-    """Issue 9, hole 7: the compensating release of a reserve whose outcome was lost."""
+    """The compensating release of a reserve whose outcome was lost."""
     store = make_store()
     policy = tenant(
         limits=ScopeLimits(rpm=rpm(2), tpm=tpm(1000, refill=1e-9), concurrency=ConcurrencyRule(1)),

@@ -126,7 +126,7 @@ async def test_redis_store_matches_memory_store(seed: int) -> None:
                 )
                 if rng.random() < 0.5:
                     # The pre-check on a lower bound, taking the RPM request when it passes
-                    # (issue 9, hole 6); the reserve then says whether it was taken.
+                    # (before the prompt is counted); the reserve then says whether it was taken.
                     bound = replace(
                         request,
                         prompt_tokens=1,
@@ -175,7 +175,7 @@ async def test_redis_store_matches_memory_store(seed: int) -> None:
                 mem_res, red_res = rng.choice(open_)
                 assert await redis_store.renew(red_res) == await memory.renew(mem_res)
             elif roll < 0.84 and open_:
-                # An interrupted reserve: the compensating release (issue 9, hole 7).
+                # An interrupted reserve: the compensating release.
                 mem_res, red_res = open_.pop(rng.randrange(len(open_)))
                 await memory.abandon(mem_res.request)
                 await redis_store.abandon(red_res.request)

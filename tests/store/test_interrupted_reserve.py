@@ -1,4 +1,4 @@
-"""Issue 9, hole 7: a reserve interrupted at any await point leaks nothing once abandoned.
+"""A reserve interrupted at any await point leaks nothing once abandoned.
 
 The reserve runs as a task that is cancelled after k event-loop iterations, for k = 0, 1, 2,
 ... until the reserve completes before it can be cancelled: so the cancellation lands before

@@ -316,7 +316,7 @@ async def test_the_master_is_found_through_sentinel(tmp_path: Path) -> None:
 async def test_a_short_outage_frees_no_live_request_and_leaves_no_orphan(
     server: RedisServer, events: _Recorder
 ) -> None:
-    """Issue 9, hole 15: Redis hangs (SIGSTOP) for 2.6 s under a 3 s lease. A live request's
+    """Redis hangs (SIGSTOP) for 2.6 s under a 3 s lease. A live request's
     lease lapses meanwhile and a reserve that timed out during the outage lands when Redis
     resumes (and sweeps the lapsed lease). On recovery the live request holds its lease
     again and the orphan is released; both requests are billed once."""
@@ -383,8 +383,8 @@ async def test_a_short_outage_frees_no_live_request_and_leaves_no_orphan(
 async def test_a_settlement_redelivered_after_any_window_is_booked_once(
     server: RedisServer, events: _Recorder
 ) -> None:
-    """Issue 9, hole 13: a settlement whose first attempt landed but timed out is delivered
-    again from the queue long after `settled_id_retention_s`: booked once."""
+    """A settlement whose first attempt landed but timed out is delivered again from the queue
+    long after `settled_id_retention_s`: booked once."""
     clock = ManualClock()
     shared = RedisStore.from_settings(
         RedisSettings(
@@ -427,8 +427,8 @@ async def test_a_settlement_redelivered_after_any_window_is_booked_once(
 async def test_an_abandon_that_cannot_reach_redis_is_done_on_recovery(
     durable_server: RedisServer, events: _Recorder
 ) -> None:
-    """Issue 9, hole 7: the compensating release survives the outage that caused it (a
-    durable Redis is killed, and keeps the lease across its restart)."""
+    """The compensating release survives the outage that caused it (a durable Redis is killed,
+    and keeps the lease across its restart)."""
     server = durable_server
     # A slow probe: the test looks at Redis before the store recovers.
     store = fallback_store(server, FailurePolicy.FAIL_CLOSED, events, probe_s=1.5)

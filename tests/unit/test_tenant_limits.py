@@ -387,8 +387,8 @@ def test_precheck_rejects_only_what_the_full_check_would() -> None:
 
 
 def test_a_passing_precheck_can_take_the_request_slot() -> None:
-    """Issue 9, hole 6: the RPM request is taken by the pre-check, in every scope, and the
-    reserve that says so takes no other; an abandon gives back only what it took."""
+    """The RPM request is taken by the pre-check, in every scope, and the reserve that says so
+    takes no other; an abandon gives back only what it took."""
     from dataclasses import replace
     from types import MappingProxyType
 
