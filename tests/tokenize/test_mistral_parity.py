@@ -154,3 +154,15 @@ def test_counting_cost_against_the_hf_path(
     elapsed = time.perf_counter() - started
     print(f"mistral mode, 52k-character chat: {elapsed * 1000:.1f} ms")
     assert elapsed < 1.0
+
+
+def test_a_chat_is_weighed_for_the_inline_bound(
+    counters: tuple[CountingApi, MistralSimTokenizer],
+) -> None:
+    """A whole mistral_common encode costs several compiled-BPE characters per character, so
+    the service tokenizes fewer of them on the event loop."""
+    counter, _ = counters
+    text = "hello there " * 100
+    plan = counter.plan_chat([{"role": "user", "content": text}])
+    assert plan.pending_chars >= 4 * len(text)
+    assert counter.finish(plan) == counter.count_chat([{"role": "user", "content": text}])

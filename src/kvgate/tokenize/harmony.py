@@ -102,7 +102,9 @@ class HarmonyPromptCounter(PromptCounter):
         del add_special_tokens
         conversation = self.harmony_messages(messages, tools)
         chars = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, Mapping))
-        return CountPlan(0, [], chars, (lambda: len(self.render(conversation)),))
+        # Weighed against the compiled BPE's characters (the service's inline bound): a
+        # harmony render costs about twice as much per character.
+        return CountPlan(0, [], 2 * chars, (lambda: len(self.render(conversation)),))
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
