@@ -26,6 +26,7 @@ from testbed.harness import (
     demo_model_dir,
     kvgate_metrics,
 )
+from testbed.redis_harness import RedisStack
 
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 LIMITED = "sk-answers-limited"
@@ -305,3 +306,32 @@ def test_an_answer_too_large_to_keep_is_never_generated_twice(stack: Stack) -> N
     error = duplicate.json()["error"]
     assert error["code"] == "idempotency_answer_not_kept" and error["param"] == "Idempotency-Key"
     assert _arrived(stack) == arrived
+
+
+# ---------------------------------------------------------------- the store down
+
+
+def test_with_redis_down_fail_open_runs_keyed_requests_unchecked_and_says_so() -> None:
+    """The documented price of fail_open: while Redis is down a retry with the same key runs
+    (and is charged) again, on any replica; each is counted as unchecked."""
+    with RedisStack(
+        redis_config={"failure_policy": "fail_open", "probe_interval_s": 0.2},
+        persistent_redis=False,
+    ) as stack:
+        key = f"outage-{uuid.uuid4()}"
+        body = _body(f"During an outage {uuid.uuid4()}")
+        stack.redis.kill()
+        arrived = _arrived(stack)
+        answers = [
+            _post(stack, body, stack.api_key(), **{"idempotency-key": key}) for _ in range(2)
+        ]
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert all(a.headers.get("idempotent-replayed") is None for a in answers)
+        assert _arrived(stack) == arrived + 2
+        unchecked = sum(
+            stack.replica_metrics(replica).total(
+                "kvgate_idempotent_requests_total", result="unchecked"
+            )
+            for replica in (1, 2)
+        )
+        assert unchecked == 2
