@@ -215,9 +215,6 @@ class MemoryAnswerStore:
     def bytes_used(self) -> int:
         return self._bytes
 
-    def tenant_bytes(self, namespace: str, tenant: str) -> int:
-        return self._account_bytes.get((namespace, tenant), 0)
-
     async def claim(
         self,
         key: str,
@@ -533,11 +530,6 @@ class RedisAnswerStore:
         self._complete = client.register_script(_COMPLETE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
-
-    @property
-    def memory_room(self) -> bool:
-        """Whether Redis had room for new entries when last looked at."""
-        return self._memory_room
 
     async def claim(
         self,

@@ -86,9 +86,6 @@ class TenantWaiters:
         else:
             self._waiting.pop(tenant, None)
 
-    def waiting(self, tenant: str) -> int:
-        return self._waiting.get(tenant, 0)
-
 
 class AnswerRecorder:
     """The request that runs for its key (an Idempotency-Key, or a response-cache entry):
@@ -98,8 +95,8 @@ class AnswerRecorder:
     `keep_marker`: an answer that completed but cannot be kept (too large, over quota)
     leaves a marker, so that a duplicate is told so and never runs a second generation (an
     Idempotency-Key); without it the key is released (a cache entry is simply not made).
-    `renew_lock_s`: the lock is renewed this often while the request runs (its TTL is
-    `lock_ttl_s`), so a long generation keeps its key."""
+    `lock_ttl_s`: the lock's TTL, renewed every third of it while the request runs, so a
+    generation longer than the TTL keeps its key."""
 
     def __init__(
         self,
@@ -139,10 +136,6 @@ class AnswerRecorder:
         self._renewal: asyncio.Task[None] | None = None
         if lock_ttl_s is not None:
             self._renewal = asyncio.get_running_loop().create_task(self._keep_lock(lock_ttl_s))
-
-    @property
-    def key(self) -> str:
-        return self._key
 
     def describe(self, headers: dict[str, str]) -> None:
         """Headers that say how the answer was produced (a fallback, a clamp): kept with it
