@@ -379,12 +379,14 @@ def bodies(draw: st.DrawFn, chat: bool, clean: bool = False) -> bytes:
 
 @dataclass(frozen=True)
 class Msg:
-    """One message Envoy sends; `close` ends the stream (client gone) instead."""
+    """One message Envoy sends; `close` ends the stream instead (client gone, Envoy timeout,
+    or kvgate shutting down)."""
 
     kind: str  # request_headers ... response_trailers, or "close"
     headers: tuple[tuple[str, bytes], ...] = ()
     body: bytes = b""
     end_of_stream: bool = False
+    shutting_down: bool = False
 
 
 @st.composite
@@ -584,7 +586,7 @@ def plans(draw: st.DrawFn) -> Plan:
     ending = draw(st.sampled_from(["whole"] * 6 + ["cut"] * 3 + ["headers only"]))
     if ending == "cut":
         cut = draw(st.integers(1, len(messages) - 1))
-        messages = [*messages[:cut], Msg("close")]
+        messages = [*messages[:cut], Msg("close", shutting_down=sometimes(draw, 20))]
     elif ending == "headers only":
         messages = messages[:1]
     return Plan(messages, answer)
@@ -624,6 +626,7 @@ class StreamRun:
     session: StreamSession
     plan: Plan
     closed: bool = False
+    shut_down: bool = False  # closed by kvgate's shutdown
     # The answer's messages kvgate read after admitting, up to and including its end.
     served: list[Msg] = field(default_factory=list)
     ended: bool = False
@@ -643,8 +646,8 @@ async def drive(rig: Rig, streams: list[Plan], order: list[int]) -> list[StreamR
         if run.closed:
             continue
         if msg.kind == "close":
-            run.session.close(shutting_down=False)
-            run.closed = True
+            run.session.close(shutting_down=msg.shutting_down)
+            run.closed, run.shut_down = True, msg.shutting_down
             continue
         admitted_before = run.session.ticket is not None
         reply = await run.session.handle(envoy_message(msg))
@@ -704,7 +707,7 @@ def served_reading(run: StreamRun) -> tuple[SettleCause, ResponseReading, str]:
     if run.ended:
         cause = SettleCause.COMPLETED if accepted else SettleCause.UPSTREAM_ERROR
     else:
-        cause = SettleCause.DISCONNECTED
+        cause = SettleCause.SHUTDOWN if run.shut_down else SettleCause.DISCONNECTED
     assert run.session.ticket is not None
     reading = ResponseReading(
         accepted=accepted,
