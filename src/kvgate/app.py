@@ -64,7 +64,8 @@ from kvgate.store import (
     RedisStore,
     StateStore,
 )
-from kvgate.tokenize import TokenizerService, load_counter, resolve_tokenizer_dir
+from kvgate.tokenize import TokenizerService
+from kvgate.tokenize.engine_counting import EngineCounter, load_model_counter
 from kvgate.tracing import build_tracing
 
 if TYPE_CHECKING:
@@ -88,16 +89,10 @@ def load_tokenizers(config: KvgateConfig) -> TokenizerService:
         inline_max_cost=config.server.inline_tokenize_max_chars,
     )
     cache_dir = Path(config.server.tokenizer_cache_dir)
+    backends = {backend.name: backend for backend in config.backends}
     for model in config.models:
-        model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
-        counter = load_counter(
-            model_dir,
-            name=model.name,
-            counting_engine=model.counting_engine,
-            tokenizer_mode=model.tokenizer_mode,
-            harmony_system_instructions=model.harmony_system_instructions,
-        )
-        if counter.engine != "compiled-bpe":
+        counter = load_model_counter(model, backends[model.backend], cache_dir)
+        if counter.engine not in ("compiled-bpe", EngineCounter.engine):
             log.info(
                 "counting with the reference tokenizer",
                 extra={"model": model.name, "reason": counter.engine_reason},
@@ -549,6 +544,7 @@ class KvgateServer:
         if self.semantic_cache is not None:
             await self.semantic_cache.close()
         self.tokenizers.close()
+        await self.tokenizers.close_engines()
         if self.tracing is not None:
             # The settlements' spans are recorded by now (drained above): export them.
             await asyncio.to_thread(self.tracing.shutdown)

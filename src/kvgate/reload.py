@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.config import ConfigError, KvgateConfig, SnapshotHolder, compile_snapshot, load_config
-from kvgate.config.model import ModelConfig
+from kvgate.config.model import BackendConfig, ModelConfig, engine_tokenize_url
 from kvgate.metrics import Metrics
-from kvgate.tokenize import TokenizerService, load_counter, resolve_tokenizer_dir
+from kvgate.tokenize import CountingApi, TokenizerService
+from kvgate.tokenize.engine_counting import EngineCounter, load_model_counter
 
 log = logging.getLogger("kvgate.reload")
 
@@ -121,6 +122,21 @@ FIELD_CLASSES: dict[str, str] = {
     "models.*.counting_engine": RELOAD,  # the tokenizer is loaded again before the swap
     "models.*.tokenizer_mode": RELOAD,  # likewise
     "models.*.harmony_system_instructions": RELOAD,  # likewise
+    # The model's counter is built again before the swap (its engine's URL, key, bounds).
+    "models.*.counting": RELOAD,
+    **{
+        f"models.*.engine_counting.{name}": RELOAD
+        for name in (
+            "tokenize_url",
+            "timeout_s",
+            "on_unavailable",
+            "retry_after_s",
+            "max_concurrency",
+            "cache_max_bytes",
+            "cache_ttl_s",
+            "cache_chats",
+        )
+    },
     "models.*.max_context": RELOAD,
     "models.*.default_max_new_tokens": RELOAD,
     "models.*.backend": RELOAD,
@@ -254,8 +270,19 @@ def restart_only_changes(old: KvgateConfig, new: KvgateConfig) -> list[str]:
     ]
 
 
-def _tokenizer_settings(model: ModelConfig) -> tuple[object, ...]:
+def _tokenizer_settings(
+    model: ModelConfig, backends: dict[str, BackendConfig]
+) -> tuple[object, ...]:
     """What a model's counter is loaded from: a change loads it again."""
+    if model.counting == "engine":
+        backend = backends[model.backend]
+        return (
+            "engine",
+            model.engine_counting,
+            model.cache_generation,
+            engine_tokenize_url(model, backend),
+            backend.upstream_api_key,
+        )
     return (
         model.tokenizer,
         model.counting_engine,
@@ -367,22 +394,17 @@ class ConfigReloader:
 
     def _load_tokenizers(self, old: KvgateConfig, new: KvgateConfig) -> None:
         """Load tokenizers of new or changed models before anything is swapped."""
-        previous = {m.name: _tokenizer_settings(m) for m in old.models}
+        old_backends = {b.name: b for b in old.backends}
+        backends = {b.name: b for b in new.backends}
+        previous = {m.name: _tokenizer_settings(m, old_backends) for m in old.models}
         cache_dir = Path(new.server.tokenizer_cache_dir)
         if cache_dir != Path(old.server.tokenizer_cache_dir):
             previous = {}  # every model is loaded again, from the new cache directory
-        loaded = {}
+        loaded: dict[str, CountingApi | EngineCounter] = {}
         for model in new.models:
-            if previous.get(model.name) == _tokenizer_settings(model):
+            if previous.get(model.name) == _tokenizer_settings(model, backends):
                 continue
-            model_dir = resolve_tokenizer_dir(model.tokenizer, cache_dir)
-            loaded[model.name] = load_counter(
-                model_dir,
-                name=model.name,
-                counting_engine=model.counting_engine,
-                tokenizer_mode=model.tokenizer_mode,
-                harmony_system_instructions=model.harmony_system_instructions,
-            )
+            loaded[model.name] = load_model_counter(model, backends[model.backend], cache_dir)
         for name, counter in loaded.items():
             self._tokenizers.register(name, counter)
 

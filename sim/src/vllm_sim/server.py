@@ -329,6 +329,7 @@ class VllmSim:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/sim/stats", self.sim_stats)
         app.router.add_get("/sim/requests", self.sim_requests)
         app.router.add_post("/sim/reset", self.sim_reset)
@@ -564,6 +565,63 @@ class VllmSim:
         vectors = await loop.run_in_executor(self._embed_executor, server.compute, req, prompts)
         request_id = request.headers.get("X-Request-Id") or req.request_id or protocol.random_uuid()
         return _json_response(server.response(request_id, vectors, prompts, req.encoding_format))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a completion prompt or a chat (rendered as the chat route
+        renders it) -> ``{count, max_model_len, tokens, token_strs}``. No length check and
+        no API key (vLLM guards only /v1 paths)."""
+        try:
+            body = parse_json_body(await request.read(), request.headers.get("Content-Type", ""))
+            kind, fields = _tokenize_request(body)
+            model = body.get("model")
+            if model and model != self.config.served_model_name:
+                raise RequestError.not_found(f"The model `{model}` does not exist.")
+            if kind == "chat":
+
+                def render() -> list[int]:
+                    try:
+                        return self.tokenizer.encode_chat(
+                            fields["messages"],
+                            tools=fields["tools"],
+                            chat_template=fields["chat_template"],
+                            add_generation_prompt=fields["add_generation_prompt"],
+                            continue_final_message=fields["continue_final_message"],
+                            chat_template_kwargs=fields["chat_template_kwargs"],
+                            add_special_tokens=fields["add_special_tokens"],
+                        )
+                    except PromptError as exc:
+                        # vLLM formats preprocessing failures as f"{e} {e.__cause__}".
+                        raise RequestError.bad_request(f"{exc} {exc.__cause__}") from exc
+
+                ids: list[int] = await self._off_loop(render)
+            else:
+                ids = await self._off_loop(
+                    lambda: self.tokenizer.encode(
+                        fields["prompt"], add_special_tokens=fields["add_special_tokens"]
+                    )
+                )
+            token_strs = (
+                await self._off_loop(self._token_strs, ids) if fields["return_token_strs"] else None
+            )
+        except RequestError as err:
+            return _error_response(err)
+        # TokenizeResponse's declaration order; token_strs is null unless asked for.
+        return _json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": token_strs,
+            }
+        )
+
+    def _token_strs(self, ids: list[int]) -> list[str]:
+        """``tokenizer.convert_ids_to_tokens``: vocabulary forms, not decoded text."""
+        backend = getattr(self.tokenizer, "_tok", None)
+        convert = getattr(backend, "convert_ids_to_tokens", None)
+        if convert is not None:
+            return list(convert(ids))
+        return [self.tokenizer.decode_token(i) for i in ids]
 
     async def _tokenize_chat(self, chat: ChatRequest) -> list[int]:
         def work() -> list[int]:
@@ -1069,6 +1127,131 @@ class _Feed:
         if i is not None:
             self._owed.append(choice)
         return choice, i
+
+
+def _tokenize_request(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Which member of vLLM's ``TokenizeCompletionRequest | TokenizeChatRequest`` union the
+    body validates as, with its fields. pydantic tries both (smart mode): one that
+    validates wins, both -> the one with more of its own fields set (a tie: the completion,
+    the union's first member); neither -> both members' errors, each under its class name.
+    """
+    completion_errors: list[Any] = []
+    chat_errors: list[Any] = []
+    completion = _tokenize_member(body, "TokenizeCompletionRequest", completion_errors)
+    chat = _tokenize_member(body, "TokenizeChatRequest", chat_errors)
+    if completion is not None and chat is not None:
+        own_completion = sum(k in body for k in _TOKENIZE_COMPLETION_FIELDS)
+        own_chat = sum(k in body for k in _TOKENIZE_CHAT_FIELDS)
+        return ("chat", chat) if own_chat > own_completion else ("completion", completion)
+    if completion is not None:
+        return "completion", completion
+    if chat is not None:
+        return "chat", chat
+    raise RequestError.validation(completion_errors + chat_errors)
+
+
+_TOKENIZE_COMPLETION_FIELDS = ("model", "prompt", "add_special_tokens", "return_token_strs")
+_TOKENIZE_CHAT_FIELDS = (
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "return_token_strs",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "response_format",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "tools",
+)
+
+
+def _tokenize_member(body: dict[str, Any], member: str, errors: list[Any]) -> dict[str, Any] | None:
+    """The body's fields as one union member, or None with its errors appended."""
+
+    def error(kind: str, msg: str, loc: tuple[Any, ...], value: Any) -> None:
+        errors.append({"type": kind, "loc": ("body", member, *loc), "msg": msg, "input": value})
+
+    def flag(key: str, default: bool, nullable: bool = False) -> bool:
+        value = body.get(key, default)
+        if value is None and nullable:
+            return default
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _BOOL_STRINGS:
+            return value.lower() in ("true", "1", "yes", "on", "t", "y")
+        error(
+            "bool_parsing" if isinstance(value, str) else "bool_type",
+            "Input should be a valid boolean"
+            + (", unable to interpret input" if isinstance(value, str) else ""),
+            (key,),
+            value,
+        )
+        return default
+
+    before = len(errors)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        error("string_type", "Input should be a valid string", ("model",), model)
+    fields: dict[str, Any] = {"return_token_strs": flag("return_token_strs", False, True)}
+    if member == "TokenizeCompletionRequest":
+        if "prompt" not in body:
+            error("missing", "Field required", ("prompt",), body)
+        elif not isinstance(body["prompt"], str):
+            error("string_type", "Input should be a valid string", ("prompt",), body["prompt"])
+        fields["prompt"] = body.get("prompt")
+        fields["add_special_tokens"] = flag("add_special_tokens", True)
+        return fields if len(errors) == before else None
+    # TokenizeChatRequest's model validator (mode="before") runs ahead of its fields.
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        message = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        errors.append(
+            {
+                "type": "value_error",
+                "loc": ("body", member),
+                "msg": f"Value error, {message}",
+                "input": body,
+                "ctx": {"error": ValueError(message)},
+            }
+        )
+        return None
+    messages = body.get("messages")
+    if "messages" not in body:
+        error("missing", "Field required", ("messages",), body)
+    elif not isinstance(messages, list):
+        error("list_type", "Input should be a valid list", ("messages",), messages)
+    else:
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                error("model_type", "Input should be a valid dictionary", ("messages", i), message)
+            elif not isinstance(message.get("role"), str):
+                error("missing", "Field required", ("messages", i, "role"), message)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        error("list_type", "Input should be a valid list", ("tools",), tools)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        error("dict_type", "Input should be a valid dictionary", ("chat_template_kwargs",), kwargs)
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        error("string_type", "Input should be a valid string", ("chat_template",), template)
+    fields.update(
+        messages=messages,
+        tools=tools,
+        chat_template=template,
+        chat_template_kwargs=kwargs,
+        add_generation_prompt=flag("add_generation_prompt", True),
+        continue_final_message=flag("continue_final_message", False),
+        add_special_tokens=flag("add_special_tokens", False),
+    )
+    return fields if len(errors) == before else None
+
+
+# pydantic's lax-mode strings for booleans.
+_BOOL_STRINGS = ("0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes")
 
 
 def create_app(config: SimConfig, tokenizer: SimTokenizer | None = None) -> web.Application:

@@ -333,12 +333,39 @@ class PricingConfig(_Strict):
         return self
 
 
+class EngineCountingConfig(_Strict):
+    """How a model with `counting: engine` is counted: by its vLLM's own /tokenize."""
+
+    # vLLM's /tokenize. None: derived from the model's backend (the origin of its
+    # discovery.metrics_url, or http://DNS_NAME:PORT of a pool's endpoint_discovery).
+    tokenize_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    # Each count's whole deadline, its wait for a free connection included. It must stay
+    # below server.decision_timeout_s, so kvgate answers before its own decision deadline.
+    timeout_s: float = Field(default=0.5, gt=0, le=30)
+    # When the engine cannot count in time (slow, down, an error): "refuse" answers 503 +
+    # Retry-After; "reserve_max_context" admits at the upper bound (prompt + completion = the
+    # model's max_context), never a guess below the real prompt.
+    on_unavailable: Literal["refuse", "reserve_max_context"] = "refuse"
+    retry_after_s: float = Field(default=1.0, ge=1, le=600)
+    # /tokenize requests in flight to one URL at once (the models sharing a URL share them;
+    # the largest setting among them applies).
+    max_concurrency: int = Field(default=8, ge=1, le=1024)
+    # Counts of identical requests (a digest of the exact /tokenize body), this model's LRU,
+    # in bytes (0: no cache); an entry is dropped after cache_ttl_s.
+    cache_max_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
+    cache_ttl_s: float = Field(default=600.0, gt=0)
+    # Chats are cached only when set: a template that reads the clock (Llama 3.x's
+    # strftime_now, gpt-oss's date) renders the same messages differently on another day.
+    cache_chats: bool = False
+
+
 class ModelConfig(_Strict):
     name: str
-    tokenizer: str = Field(
+    tokenizer: str | None = Field(
+        default=None,
         description="A local directory with tokenizer.json + tokenizer_config.json (or a "
         "Mistral tekken.json / tokenizer.model.v*), or a Hugging Face model id fetched once "
-        "at start-up and cached."
+        "at start-up and cached. Required with `counting: local`; not read with `engine`.",
     )
     max_context: int = Field(gt=0)
     default_max_new_tokens: int = Field(gt=0)
@@ -350,11 +377,19 @@ class ModelConfig(_Strict):
     # The prompt path vLLM takes for this model, as its --tokenizer-mode: "auto" decides
     # from the directory as vLLM does (gpt-oss config -> harmony; tekken.json or
     # tokenizer.model.v* with consolidated weights, or without tokenizer.json -> mistral;
-    # else hf). Set it when vLLM is started with an explicit --tokenizer-mode.
-    tokenizer_mode: Literal["auto", "hf", "mistral", "harmony"] = "auto"
+    # DeepseekV32ForCausalLM -> deepseek_v32, DeepseekV4For* -> deepseek_v4; else hf). Set
+    # it when vLLM is started with an explicit --tokenizer-mode.
+    tokenizer_mode: Literal["auto", "hf", "mistral", "harmony", "deepseek_v32", "deepseek_v4"] = (
+        "auto"
+    )
     # gpt-oss only: vLLM runs with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=1 (instructions in
     # the system message, and a system message mid-conversation a whole new one).
     harmony_system_instructions: bool = False
+    # Who counts this model's prompts: "local" renders and tokenizes them in kvgate with
+    # `tokenizer`; "engine" asks the model's vLLM (/tokenize, `engine_counting`) for every
+    # count: exact by construction, for a model whose rendering kvgate cannot reproduce.
+    counting: Literal["local", "engine"] = "local"
+    engine_counting: EngineCountingConfig = EngineCountingConfig()
     # The semantic cache may answer this model's requests (for tenants that opt in too).
     semantic_cache: bool = False
     # Whether the exact-match cache may serve this model's sampled (temperature > 0)
@@ -371,6 +406,31 @@ class ModelConfig(_Strict):
         if not _NAME.match(value):
             raise ValueError("must be 1-128 characters of letters, digits and . _ : / -")
         return value
+
+    @model_validator(mode="after")
+    def _something_counts(self) -> ModelConfig:
+        if self.counting == "local" and not self.tokenizer:
+            raise ValueError(
+                "tokenizer: counting: local needs the model's tokenizer (a directory or a hub "
+                "id); without one, count with the engine (counting: engine)"
+            )
+        return self
+
+
+def engine_tokenize_url(model: ModelConfig, backend: BackendConfig) -> str | None:
+    """Where a `counting: engine` model is counted: its explicit tokenize_url, else its
+    backend's engine (the origin of a single server's metrics_url, or a pool's DNS name)."""
+    if model.engine_counting.tokenize_url is not None:
+        return model.engine_counting.tokenize_url
+    discovery = backend.endpoint_discovery
+    if discovery is not None:
+        host = f"[{discovery.dns_name}]" if ":" in discovery.dns_name else discovery.dns_name
+        return f"http://{host}:{discovery.port}/tokenize"
+    if backend.discovery is not None and not backend.is_pool:
+        parts = urlsplit(backend.discovery.metrics_url)
+        if parts.scheme in ("http", "https") and parts.netloc:
+            return f"{parts.scheme}://{parts.netloc}/tokenize"
+    return None
 
 
 class DiscoveryConfig(_Strict):
@@ -930,7 +990,29 @@ class KvgateConfig(_Strict):
                     f"models.{i}.backend: '{model.backend}' is not a configured backend "
                     f"(known: {', '.join(sorted(backends)) or 'none'})"
                 )
+        self._engines_to_ask()
         return self
+
+    def _engines_to_ask(self) -> None:
+        """Every `counting: engine` model has an engine to ask, in time for a decision."""
+        backends = {b.name: b for b in self.backends}
+        for i, model in enumerate(self.models):
+            if model.counting != "engine":
+                continue
+            if engine_tokenize_url(model, backends[model.backend]) is None:
+                raise ValueError(
+                    f"models.{i}.engine_counting.tokenize_url: counting: engine needs the "
+                    f"engine's /tokenize URL; backend '{model.backend}' gives none (set "
+                    "tokenize_url, or a discovery.metrics_url on a single-server backend), "
+                    "and without it nothing can count this model"
+                )
+            timeout = model.engine_counting.timeout_s
+            if timeout >= self.server.decision_timeout_s:
+                raise ValueError(
+                    f"models.{i}.engine_counting.timeout_s: {timeout:g} s must be below "
+                    f"server.decision_timeout_s ({self.server.decision_timeout_s:g} s), so "
+                    "a slow engine gets kvgate's own answer, not the decision deadline's"
+                )
 
 
 def url_has_password(url: str) -> bool:

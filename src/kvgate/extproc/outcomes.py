@@ -19,7 +19,12 @@ CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
 _TOO_LARGE = frozenset({Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM})
 # kvgate or what it depends on cannot decide now: 503 with Retry-After.
 _UNAVAILABLE = frozenset(
-    {Reason.STORE_UNAVAILABLE, Reason.CAPACITY_UNKNOWN, Reason.NO_HEALTHY_ENDPOINT}
+    {
+        Reason.STORE_UNAVAILABLE,
+        Reason.CAPACITY_UNKNOWN,
+        Reason.NO_HEALTHY_ENDPOINT,
+        Reason.COUNTING_UNAVAILABLE,
+    }
 )
 
 

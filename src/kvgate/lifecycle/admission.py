@@ -32,6 +32,7 @@ from kvgate.policy import (
 )
 from kvgate.store import StateStore, StoreUnavailable
 from kvgate.tokenize import PromptCounter, PromptRenderError, TokenizerBusy
+from kvgate.tokenize.engine_counting import EngineCountUnavailable
 
 # Rejections a lower bound on the prompt answers exactly: they do not depend on its size
 # (or, for a request larger than the whole bucket, no wait can help).
@@ -317,6 +318,8 @@ class Admission:
         requested_max_new: int | None,
     ) -> _Sized:
         counts = await self._count(request, route.name, tenant.name)
+        if counts is None:
+            return self._size_at_context(request, route, requested_max_new)
         # The engine checks each prompt of a completions batch against the context on its
         # own; the reservation holds them all.
         longest, total = max(counts), sum(counts)
@@ -344,9 +347,37 @@ class Admission:
             )
         return _Sized(route, total, plan.max_new_tokens)
 
-    async def _count(self, request: ParsedRequest, model: str, tenant: str) -> list[int]:
+    def _size_at_context(
+        self, request: ParsedRequest, route: ModelRoute, requested_max_new: int | None
+    ) -> _Sized:
+        """No count (the engine could not give one, and the model admits at its upper
+        bound): each prompt with its completion takes at most the whole context."""
+        if requested_max_new is not None and requested_max_new >= route.max_context:
+            raise Rejected(
+                Rejection(
+                    Reason.CONTEXT_LENGTH_EXCEEDED,
+                    "The prompt and the completion do not fit the model's context.",
+                    param=_prompt_param(request),
+                    context=ContextOverflow(1, requested_max_new, route.max_context, at_least=True),
+                )
+            )
+        max_new = min(requested_max_new or route.default_max_new_tokens, route.max_context - 1)
+        if request.min_tokens > max_new:
+            raise Rejected(
+                Rejection(
+                    Reason.MIN_TOKENS_OVER_CAP,
+                    f"min_tokens ({request.min_tokens}) must not exceed the completion's "
+                    f"token limit ({max_new}).",
+                    param="min_tokens",
+                )
+            )
+        prompts = request.num_prompts if request.kind != "chat" else 1
+        return _Sized(route, (route.max_context - max_new) * max(1, prompts), max_new)
+
+    async def _count(self, request: ParsedRequest, model: str, tenant: str) -> list[int] | None:
         """Prompt tokens, one count per prompt the engine runs (several for a batch),
-        counted under the tenant's fair share of the counting workers."""
+        counted under the tenant's fair share of the counting workers. None: the model's
+        engine could not count and the model admits at its upper bound."""
         tokenizers = self._tokenizers
         try:
             if request.kind == "chat":
@@ -382,6 +413,17 @@ class Admission:
             raise Rejected(
                 Rejection(
                     Reason.UNRENDERABLE_PROMPT, exc.client_message, param=_prompt_param(request)
+                )
+            ) from None
+        except EngineCountUnavailable as unavailable:
+            if unavailable.reserve_upper_bound:
+                return None
+            raise Rejected(
+                Rejection(
+                    Reason.COUNTING_UNAVAILABLE,
+                    "kvgate cannot count this prompt now: the model's engine, which counts "
+                    "it, did not answer in time. Please retry.",
+                    retry_after_s=unavailable.retry_after_s,
                 )
             ) from None
 

@@ -40,6 +40,8 @@ class Reason(enum.StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"
     # The tenant already has too much prompt counting queued.
     COUNTING_BUSY = "counting_busy"
+    # The engine that counts the model's prompts (its /tokenize) cannot answer in time (503).
+    COUNTING_UNAVAILABLE = "counting_unavailable"
     # No endpoint of the request's pool is healthy (503).
     NO_HEALTHY_ENDPOINT = "no_healthy_endpoint"
     # The pool's queue is full, or a queued request found no room within its wait bound.

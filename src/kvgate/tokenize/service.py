@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from kvgate.tokenize.counter import CountingApi, CountPlan
+from kvgate.tokenize.engine_counting import EngineCall, EngineCounter, EngineEndpoint
 from kvgate.tokenize.segments import CacheStats, SegmentCountCache
 
 THREAD_NAME_PREFIX = "kvgate-tokenize"
@@ -321,6 +322,59 @@ class _FairScheduler:
             job.loop.call_soon_threadsafe(_settle, job.future, ok, value)
 
 
+class _EngineLane(_FairScheduler):
+    """Calls in flight to one engine's /tokenize: ``slots`` at once, handed out by the
+    same start-time fair queueing and per-tenant bound as the workers (a slot is a
+    permit, not a thread: the caller makes the call on the event loop).
+
+    Everything runs on the event loop; the inherited lock is taken uncontended.
+    """
+
+    def __init__(self, slots: int, **bounds: Any) -> None:
+        self._in_flight = 0
+        super().__init__(slots, **bounds)
+
+    def resize(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError("an engine lane needs at least one slot")
+        with self._cond:
+            self._target = workers
+        self._grant()
+
+    def submit(self, tenant: str, work: Callable[[], Any], cost: int, *, bounded: bool) -> _Job:
+        job = super().submit(tenant, work, cost, bounded=bounded)
+        self._grant()
+        return job
+
+    def finish(self, job: _Job, elapsed_s: float) -> None:
+        """The caller is done with its slot (or gave up waiting for one)."""
+        if job.state == "queued":
+            self.drop(job)
+            return
+        with self._cond:
+            if job.state != "running":
+                return
+            if job.large:
+                self._large_running -= 1
+            self._in_flight -= 1
+            self._retire(job, "done")
+            if job.cost >= _RATE_SAMPLE_MIN_COST and elapsed_s > 0:
+                self._rate = 0.8 * self._rate + 0.2 * (job.cost / elapsed_s)
+        self._grant()
+
+    def _grant(self) -> None:
+        granted: list[_Job] = []
+        with self._cond:
+            while not self._closed and self._in_flight < self._target:
+                job = self._next()
+                if job is None:
+                    break
+                self._in_flight += 1
+                granted.append(job)
+        for job in granted:
+            _settle(job.future, True, None)
+
+
 class TokenizerService:
     """Counts tokens for registered models on fairly shared workers, with an LRU in front.
 
@@ -345,6 +399,17 @@ class TokenizerService:
     ) -> None:
         """``inline_max_cost``: characters left to tokenize that are done on the loop."""
         self._counters: dict[str, CountingApi] = {}
+        # Models counted by their engine's /tokenize, the one client per URL and key, and
+        # the fair lane of calls in flight per URL.
+        self._engine_counters: dict[str, EngineCounter] = {}
+        self._endpoints: dict[tuple[str, str | None], EngineEndpoint] = {}
+        self._lanes: dict[str, _EngineLane] = {}
+        self._lane_bounds = {
+            "max_jobs_per_tenant": max_jobs_per_tenant,
+            "max_cost_per_tenant": max_cost_per_tenant,
+            "large_job_cost": large_job_cost,
+            "reserved_workers": reserved_workers,
+        }
         self.inline_max_cost = inline_max_cost
         self._cache = SegmentCountCache(cache_size)
         self._scheduler = _FairScheduler(
@@ -358,16 +423,43 @@ class TokenizerService:
 
     # -- registry -----------------------------------------------------------------------
 
-    def register(self, model_name: str, counter: CountingApi) -> None:
+    def register(self, model_name: str, counter: CountingApi | EngineCounter) -> None:
+        """The model's counter from now on: local, or its engine's /tokenize."""
+        if isinstance(counter, EngineCounter):
+            self._register_engine(model_name, counter)
+            return
         # Each counter keys its own cache entries: a swapped tokenizer never reads old counts.
         counter.use_cache(self._cache)
+        self._engine_counters.pop(model_name, None)
         self._counters[model_name] = counter
+
+    def _register_engine(self, model_name: str, counter: EngineCounter) -> None:
+        # One client per URL and key: every model asking that engine reuses its connections.
+        counter.endpoint = self._endpoints.setdefault(counter.endpoint.key, counter.endpoint)
+        url = counter.endpoint.url
+        sharing = [c for n, c in self._engine_counters.items() if n != model_name]
+        slots = max(
+            [counter.max_concurrency]
+            + [c.max_concurrency for c in sharing if c.endpoint.url == url]
+        )
+        lane = self._lanes.get(url)
+        if lane is None:
+            self._lanes[url] = _EngineLane(slots, **self._lane_bounds)
+        elif lane.workers != slots:
+            lane.resize(slots)
+        self._counters.pop(model_name, None)
+        self._engine_counters[model_name] = counter
 
     def unregister(self, model_name: str) -> None:
         self._counters.pop(model_name, None)
+        self._engine_counters.pop(model_name, None)
 
     def models(self) -> list[str]:
-        return sorted(self._counters)
+        return sorted([*self._counters, *self._engine_counters])
+
+    def engine_counter(self, model: str) -> EngineCounter | None:
+        """The model's engine counter when its engine counts it, else None."""
+        return self._engine_counters.get(model)
 
     def counter(self, model: str) -> CountingApi:
         """The model's counter; ``KeyError`` if the model is not registered."""
@@ -403,10 +495,15 @@ class TokenizerService:
             self._scheduler.resize(max_workers)
         if cache_size is not None:
             self._cache.resize(cache_size)
+        for scheduler in (self._scheduler, *self._lanes.values()):
+            if max_jobs_per_tenant is not None:
+                scheduler.max_jobs_per_tenant = max_jobs_per_tenant
+            if max_cost_per_tenant is not None:
+                scheduler.max_cost_per_tenant = max_cost_per_tenant
         if max_jobs_per_tenant is not None:
-            self._scheduler.max_jobs_per_tenant = max_jobs_per_tenant
+            self._lane_bounds["max_jobs_per_tenant"] = max_jobs_per_tenant
         if max_cost_per_tenant is not None:
-            self._scheduler.max_cost_per_tenant = max_cost_per_tenant
+            self._lane_bounds["max_cost_per_tenant"] = max_cost_per_tenant
 
     def pending(self, tenant: str) -> tuple[int, int]:
         """(jobs, cost) of the tenant's work that is queued or running."""
@@ -428,6 +525,19 @@ class TokenizerService:
         cost: int | None = None,
         bounded: bool = True,
     ) -> int:
+        if cost is None:
+            cost = approx_cost(messages, tools)
+        engine = self._engine_counters.get(model)
+        if engine is not None:
+            call = engine.chat_call(
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
+            return await self._ask_engine(tenant, cost, bounded, engine, call)
         counter = self.counter(model)
 
         def plan() -> CountPlan:
@@ -440,8 +550,6 @@ class TokenizerService:
                 add_special_tokens=add_special_tokens,
             )
 
-        if cost is None:
-            cost = approx_cost(messages, tools)
         return await self._count(tenant, cost, bounded, counter, plan)
 
     async def count_completion(
@@ -454,9 +562,16 @@ class TokenizerService:
         bounded: bool = True,
     ) -> int:
         """Prompt tokens of a completions request; a batch counts as the sum."""
-        counter = self.counter(model)
         if cost is None:
             cost = approx_cost(prompt)
+        engine = self._engine_counters.get(model)
+        if engine is not None:
+            known, calls = engine.completion_calls(prompt)
+            share = max(1, cost // max(1, len(calls)))
+            for call in calls:
+                known += await self._ask_engine(tenant, share, bounded, engine, call)
+            return known
+        counter = self.counter(model)
         return await self._count(
             tenant, cost, bounded, counter, lambda: counter.plan_completion(prompt)
         )
@@ -471,9 +586,14 @@ class TokenizerService:
         bounded: bool = False,
     ) -> int:
         """Tokens of generated text. Not bounded by default: settlement must not be refused."""
-        counter = self.counter(model)
         if cost is None:
             cost = approx_cost(text)
+        engine = self._engine_counters.get(model)
+        if engine is not None:
+            # The text as a completion prompt without special tokens: the output's tokens.
+            call = engine.text_call(text, add_special_tokens=False)
+            return await self._ask_engine(tenant, cost, bounded, engine, call)
+        counter = self.counter(model)
         return await self._count(tenant, cost, bounded, counter, lambda: counter.plan_output(text))
 
     async def _count(
@@ -496,6 +616,42 @@ class TokenizerService:
             # a round trip through a worker.
             return counter.finish(counted)
         return await self._submit(tenant, lambda: counter.finish(counted), cost, bounded)
+
+    async def _ask_engine(
+        self, tenant: str, cost: int, bounded: bool, engine: EngineCounter, call: EngineCall
+    ) -> int:
+        """One count by the engine: from the cache, or a call made in the tenant's fair
+        share of the engine's slots, all within the counter's deadline.
+
+        Raises ``TokenizerBusy`` past the tenant's bound, ``EngineCountUnavailable`` when
+        the engine cannot answer in time, ``PromptRenderError`` when it refuses the prompt.
+        """
+        if self._closed:
+            raise RuntimeError("TokenizerService is closed")
+        if call.cache_key is not None:
+            cached = engine.cache.get(call.cache_key)
+            if cached is not None:
+                return cached
+        lane = self._lanes[engine.endpoint.url]
+        job = lane.submit(tenant, _no_work, cost, bounded=bounded)
+        started = 0.0
+        try:
+            async with asyncio.timeout(engine.timeout_s):
+                await job.future  # a slot
+                started = time.perf_counter()
+                return await engine.send(call)
+        except TimeoutError:
+            waited = "for a free connection" if not started else "to the call"
+            raise engine.unavailable(
+                f"no count within {engine.timeout_s:g} s (waiting {waited})"
+            ) from None
+        finally:
+            lane.finish(job, time.perf_counter() - started if started else 0.0)
+
+    async def close_engines(self) -> None:
+        """Close the engines' HTTP clients (after ``close``)."""
+        for endpoint in list(self._endpoints.values()):
+            await endpoint.close()
 
     async def run(
         self, tenant: str, work: Callable[[], T], *, cost: int = 1, bounded: bool = True
@@ -522,3 +678,9 @@ class TokenizerService:
         """Stop the workers; queued jobs fail with RuntimeError, running ones finish."""
         self._closed = True
         self._scheduler.close(wait=wait)
+        for lane in self._lanes.values():
+            lane.close(wait=False)
+
+
+def _no_work() -> None:
+    """An engine lane's job is a slot: the caller makes the call itself."""
