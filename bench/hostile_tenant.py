@@ -429,6 +429,7 @@ class Plan:
     # attack: baseline + the abuser's answer-layer actions.
     answer_layer: str = "off"
     redis_maxmemory_mb: int = REDIS_MAXMEMORY_MB
+    warmup: bool = True  # False: the load meets a fresh kvgate (its cold first decisions)
 
 
 def normal_tenants(plan: Plan | dict[str, Any] | None) -> list[str]:
@@ -1768,7 +1769,7 @@ async def run_stack(plan: Plan, out_dir: Path, redis: RedisServer | None) -> dic
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
             client = Client(stack, session)
-            warmup = await warm_up(client, stack.access_log)
+            warmup = await warm_up(client, stack.access_log) if plan.warmup else []
             observer = Observer(stack, session)
             stop = asyncio.Event()
             poller = asyncio.create_task(observer.run(stop))
@@ -1922,6 +1923,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--redis-maxmemory-mb", type=int, default=REDIS_MAXMEMORY_MB)
     parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="send the load to a fresh kvgate, without the warm-up requests",
+    )
+    parser.add_argument(
         "--answer-layer",
         choices=["off", "baseline", "attack"],
         default="off",
@@ -1944,6 +1950,7 @@ def main(argv: list[str] | None = None) -> int:
         store=args.store,
         answer_layer=args.answer_layer,
         redis_maxmemory_mb=args.redis_maxmemory_mb,
+        warmup=not args.no_warmup,
     )
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
