@@ -157,7 +157,7 @@ def test_every_wait_of_one_message_must_fit_one_envoy_extension() -> None:
     data["backends"][0]["queue"] = {"max_wait_s": 20}
     parse_config(data)  # 10 s (key) + 20 s (queue) + 1.5 s + 1 s fit 35 s
     data["idempotency"] = {"max_wait_s": 15}
-    with pytest.raises(ConfigError, match="one request may wait 37.5 s in all"):
+    with pytest.raises(ConfigError, match=r"one request may wait 37\.5 s in all"):
         parse_config(data)
     data["idempotency"] = {"enabled": False}
     data["tenants"][0]["budget"] = {

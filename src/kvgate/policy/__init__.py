@@ -82,9 +82,9 @@ __all__ = [
     "precheck",
     "rank_endpoints",
     "rendezvous_order",
+    "requests_only",
     "seconds_until_reset",
     "settle_tenant",
-    "requests_only",
     "shadowed",
     "usd_to_pico",
 ]
