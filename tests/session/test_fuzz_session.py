@@ -406,7 +406,9 @@ def request_headers(draw: st.DrawFn, clean: bool) -> Msg:
     valid_priority = st.sampled_from([b"5", b"-1", b"0", b" 5\t"])
     optional = {
         "kvgate-priority": valid_priority if clean else valid_priority | NUMBERISH,
-        "idempotency-key": st.uuids().map(lambda u: str(u).encode())
+        # A few shared keys: duplicates replay, wait (409) or mismatch (422).
+        "idempotency-key": st.sampled_from([b"key-1", b"key-2"])
+        | st.uuids().map(lambda u: str(u).encode())
         if clean
         else mostly(
             st.sampled_from([b"key-1", b"key-2"]) | st.uuids().map(lambda u: str(u).encode()),
@@ -632,6 +634,21 @@ class StreamRun:
     ended: bool = False
 
 
+async def answer(session: StreamSession, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """kvgate's reply, as the servicer gets it: a decision that may wait (an Idempotency-Key
+    held by another stream) first sends Envoy a message-timeout extension."""
+    if not session.wants_interim(message):
+        reply = await session.handle(message)
+        assert reply is not None, message.WhichOneof("request")
+        return reply
+    replies = [reply async for reply in session.handle_with_interim(message)]
+    assert replies, message.WhichOneof("request")
+    *interim, reply = replies
+    assert len(interim) <= 1
+    assert all(r.HasField("override_message_timeout") for r in interim)
+    return reply
+
+
 def is_end(msg: Msg) -> bool:
     return msg.kind in ("response_headers", "response_body") and msg.end_of_stream
 
@@ -650,8 +667,7 @@ async def drive(rig: Rig, streams: list[Plan], order: list[int]) -> list[StreamR
             run.closed, run.shut_down = True, msg.shutting_down
             continue
         admitted_before = run.session.ticket is not None
-        reply = await run.session.handle(envoy_message(msg))
-        assert reply is not None, msg.kind
+        reply = await answer(run.session, envoy_message(msg))
         answered = reply.WhichOneof("response")
         assert answered in (msg.kind, "immediate_response"), (msg.kind, answered)
         if answered == "immediate_response":
