@@ -4,7 +4,9 @@ Each example plays one to three interleaved ext_proc streams against one running
 straight into StreamSession as the servicer would (no gRPC in between, for speed): random
 values of every header and body field kvgate reads, random Envoy message orders (headers
 only, the body twice, the answer before the request body, trailers, end_of_stream flags)
-and a disconnect (close()) at any point. A scripted backend answers admitted requests.
+and the stream's end (close(): client gone, or kvgate shutting down) at any point. A
+scripted backend answers admitted requests: status, SSE events or a JSON body, with or
+without usage, in random chunks.
 
 Whatever happens, after every example:
 - kvgate itself never answered 5xx and counted no internal error;
@@ -16,7 +18,8 @@ Whatever happens, after every example:
   worst case, by how the answer ended).
 
 The budget is fixed (derandomized, a set number of examples): `make test` runs the same
-examples every time, in a few tens of seconds at most.
+examples every time, in a few tens of seconds at most. `--hypothesis-show-statistics`
+shows how the examples ended (answered with which code and param, admitted and settled how).
 """
 
 from __future__ import annotations
