@@ -641,10 +641,8 @@ class TokenizerService:
                 started = time.perf_counter()
                 return await engine.send(call)
         except TimeoutError:
-            waited = "for a free connection" if not started else "to the call"
-            raise engine.unavailable(
-                f"no count within {engine.timeout_s:g} s (waiting {waited})"
-            ) from None
+            where = "waiting for a free connection" if not started else "the engine did not answer"
+            raise engine.unavailable(f"no count within {engine.timeout_s:g} s ({where})") from None
         finally:
             lane.finish(job, time.perf_counter() - started if started else 0.0)
 
