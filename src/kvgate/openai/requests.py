@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from kvgate.tokenize.request_fields import REASONING_EFFORTS, with_request_fields
+
 from .errors import ApiError, clip, invalid_request, unsupported_path
 
 __all__ = [
@@ -365,6 +367,22 @@ def _opt_object(obj: dict[str, Any], key: str) -> dict[str, Any] | None:
     return value
 
 
+def _reasoning_effort(obj: dict[str, Any]) -> str | None:
+    value = obj.get("reasoning_effort")
+    if value is None:
+        return None
+    if type(value) is not str:
+        raise _type_error("reasoning_effort", "a string", value)
+    if value not in REASONING_EFFORTS:
+        raise invalid_request(
+            f"Invalid value for 'reasoning_effort': expected one of "
+            f"{', '.join(REASONING_EFFORTS)}, but got '{clip(value)}'.",
+            "reasoning_effort",
+            "invalid_value",
+        )
+    return value
+
+
 def _list_of_objects(value: object, param: str) -> list[dict[str, Any]]:
     if type(value) is not list:
         raise _type_error(param, "an array", value)
@@ -686,7 +704,10 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
             body=obj,
             messages=messages,
             tools=tools,
-            chat_template_kwargs=_opt_object(obj, "chat_template_kwargs"),
+            # vLLM hands the template reasoning_effort (and a thinking switch) with these.
+            chat_template_kwargs=with_request_fields(
+                _opt_object(obj, "chat_template_kwargs"), reasoning_effort=_reasoning_effort(obj)
+            ),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             stream=stream,

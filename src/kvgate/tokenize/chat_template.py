@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -130,74 +130,172 @@ def make_environment() -> ImmutableSandboxedEnvironment:
 
 # --- content-format detection (what vLLM calls "auto") ----------------------------------
 #
-# vLLM inspects the template's AST: if some loop iterates over a message's content
-# (``{% for part in message['content'] %}``) the template wants OpenAI-style part lists
-# ("openai"); otherwise text parts are joined into one string ("string"). This is our
-# own walk with the same rules: names bound to ``messages`` (directly, via filters,
-# tests or slices, or through ``{% set x = messages... %}``), loops over those names,
-# and loops over ``<loop var>.content`` / ``<loop var>['content']``.
+# vLLM 0.34 (``vllm/renderers/hf.py``, ``_detect_content_format``) walks the template's AST:
+# the template wants OpenAI-style part lists ("openai") when some loop iterates over a
+# message's content, else the text parts are joined into one string ("string"). Our own
+# walk with the same rules:
+#
+# * names bound to ``messages``: ``messages`` itself, ``{% set x = messages... %}`` (through
+#   filters, tests and slices, transitively), ``namespace(rest=messages)`` and
+#   ``{% set ns.rest = messages %}`` (the dotted name ``ns.rest``);
+# * message names: targets of loops over any of those;
+# * a content loop: ``{% for p in m.content %}`` / ``m['content']`` for a message name ``m``;
+#   a loop inside a macro over one of its parameters that some call of the macro passes
+#   a message's content; or a loop over a bare ``content`` outside any macro.
 
 
-def _peel(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
-    """Strip filters, tests and slices: ``messages[1:] | reverse`` -> ``messages``."""
-    while True:
-        wrapped = (
-            isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None
-        ) or (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice))
-        if not wrapped:
-            return node
-        node = node.node
+class _UnsupportedLoop(Exception):
+    """A loop vLLM's walk cannot read (a tuple target): vLLM then falls back to "string"."""
 
 
-def _is_name(node: jinja2.nodes.Node, names: set[str]) -> bool:
-    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+def _is_var(node: jinja2.nodes.Node, name: str) -> bool:
+    if isinstance(node, jinja2.nodes.Name):
+        return node.ctx == "load" and node.name == name
+    if isinstance(node, jinja2.nodes.Getattr) and "." in name:
+        base, _, attr = name.rpartition(".")
+        return node.attr == attr and _is_var(node.node, base)
+    return False
 
 
-def _is_field_of(node: jinja2.nodes.Node, names: set[str], key: str) -> bool:
-    if isinstance(node, jinja2.nodes.Getattr):
-        return node.attr == key and _is_name(node.node, names)
+def _is_field(node: jinja2.nodes.Node, name: str, key: str) -> bool:
     if isinstance(node, jinja2.nodes.Getitem):
         return (
             isinstance(node.arg, jinja2.nodes.Const)
             and node.arg.value == key
-            and _is_name(node.node, names)
+            and _is_var(node.node, name)
         )
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == key and _is_var(node.node, name)
     return False
 
 
-def _aliases_of(root: jinja2.nodes.Template, name: str) -> set[str]:
-    found = {name}
+def _reads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """``name`` (or its field ``key``), possibly under filters, tests and slices."""
+    while True:
+        if isinstance(node, jinja2.nodes.Filter):
+            if node.node is None:
+                return False
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Test) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)
+        ):
+            node = node.node
+        else:
+            return _is_field(node, name, key) if key else _is_var(node, name)
+
+
+def _dotted(node: jinja2.nodes.Node) -> str | None:
+    if isinstance(node, jinja2.nodes.NSRef):
+        return f"{node.name}.{node.attr}"
+    attrs = []
+    while isinstance(node, jinja2.nodes.Getattr):
+        attrs.append(node.attr)
+        node = node.node
+    if isinstance(node, jinja2.nodes.Name):
+        return ".".join([node.name, *reversed(attrs)])
+    return None
+
+
+def _aliases_of(root: jinja2.nodes.Template, name: str) -> list[str]:
+    found = [name]
+    seen = {name}
     pending = deque([name])
     while pending:
         current = pending.popleft()
         for assign in root.find_all(jinja2.nodes.Assign):
-            target = assign.target
+            target, value = assign.target, assign.node
+            aliases: list[str] = []
+            if isinstance(target, jinja2.nodes.Name) and _reads(value, current):
+                aliases.append(target.name)
             if (
                 isinstance(target, jinja2.nodes.Name)
-                and target.name not in found
-                and _is_name(_peel(assign.node), {current})
+                and isinstance(value, jinja2.nodes.Call)
+                and isinstance(value.node, jinja2.nodes.Name)
+                and value.node.name == "namespace"
             ):
-                found.add(target.name)
-                pending.append(target.name)
+                aliases += [
+                    f"{target.name}.{kw.key}" for kw in value.kwargs if _reads(kw.value, current)
+                ]
+            elif isinstance(target, jinja2.nodes.Getattr | jinja2.nodes.NSRef) and _reads(
+                value, current
+            ):
+                dotted = _dotted(target)
+                aliases += [dotted] if dotted is not None else []
+            for alias in aliases:
+                found.append(alias)
+                if alias not in seen:
+                    seen.add(alias)
+                    pending.append(alias)
     return found
 
 
-def _loop_targets(root: jinja2.nodes.Template, iterables: set[str]) -> Iterator[str]:
+def _target_name(loop: jinja2.nodes.For) -> str:
+    if not isinstance(loop.target, jinja2.nodes.Name):
+        raise _UnsupportedLoop
+    return loop.target.name
+
+
+def _message_names(root: jinja2.nodes.Template) -> list[str]:
+    iterables = _aliases_of(root, "messages")
+    return [
+        _target_name(loop)
+        for loop in root.find_all(jinja2.nodes.For)
+        if any(_reads(loop.iter, name) for name in iterables)
+    ]
+
+
+def _macro_content_params(
+    root: jinja2.nodes.Template, message_names: list[str]
+) -> tuple[dict[int, set[str]], set[int]]:
+    """Per loop inside a macro: the macro parameters some call passes a message's content;
+    and the ids of all loops inside macros."""
+
+    def passes_content(arg: jinja2.nodes.Node) -> bool:
+        return any(_reads(arg, name, "content") for name in message_names)
+
+    params_by_loop: dict[int, set[str]] = {}
+    loops_in_macros: set[int] = set()
+    for macro in root.find_all(jinja2.nodes.Macro):
+        names = {arg.name for arg in macro.args}
+        content_params: set[str] = set()
+        for call in root.find_all(jinja2.nodes.Call):
+            if not (isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(macro.args) and passes_content(arg):
+                    content_params.add(macro.args[i].name)
+            for kw in call.kwargs:
+                if kw.key in names and passes_content(kw.value):
+                    content_params.add(kw.key)
+        for loop in macro.find_all(jinja2.nodes.For):
+            loops_in_macros.add(id(loop))
+            if content_params:
+                params_by_loop[id(loop)] = content_params
+    return params_by_loop, loops_in_macros
+
+
+def _has_content_loop(root: jinja2.nodes.Template) -> bool:
+    message_names = _message_names(root)
+    params_by_loop, loops_in_macros = _macro_content_params(root, message_names)
     for loop in root.find_all(jinja2.nodes.For):
-        if isinstance(loop.target, jinja2.nodes.Name) and _is_name(_peel(loop.iter), iterables):
-            yield loop.target.name
+        if any(_reads(loop.iter, name, "content") for name in message_names):
+            _target_name(loop)
+            return True
+        if isinstance(loop.iter, jinja2.nodes.Name) and (
+            loop.iter.name in params_by_loop.get(id(loop), ())
+            or (id(loop) not in loops_in_macros and loop.iter.name == "content")
+        ):
+            _target_name(loop)
+            return True
+    return False
 
 
 def detect_content_format(env: jinja2.Environment, source: str) -> ContentFormat:
     try:
         root = env.parse(source)
-    except jinja2.TemplateError:
+        return "openai" if _has_content_loop(root) else "string"
+    except (jinja2.TemplateError, _UnsupportedLoop):
         return "string"
-    message_vars = set(_loop_targets(root, _aliases_of(root, "messages")))
-    for loop in root.find_all(jinja2.nodes.For):
-        if _is_field_of(_peel(loop.iter), message_vars, "content"):
-            return "openai"
-    return "string"
 
 
 # --- templates ----------------------------------------------------------------------------
@@ -294,7 +392,11 @@ class ChatTemplate:
         continue_final_message: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
     ) -> str:
-        """Render an already-preprocessed conversation (see ``messages.parse_messages``)."""
+        """Render an already-preprocessed conversation (see ``messages.parse_messages``).
+
+        ``chat_template_kwargs`` are the keywords vLLM passes (``request_fields.engine_kwargs``):
+        the template sees those it reads, and ``documents`` among them.
+        """
         if not conversation:
             raise PromptRenderError("messages must contain at least one message")
         if continue_final_message and add_generation_prompt:
@@ -312,7 +414,7 @@ class ChatTemplate:
             rendered = template.template.render(
                 messages=chat,
                 tools=tools,
-                documents=None,
+                documents=_documents(chat_template_kwargs),
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
@@ -348,6 +450,16 @@ class ChatTemplate:
             if key in template.variables and key not in _RESERVED_VARS:
                 kwargs[key] = value
         return kwargs
+
+
+def _documents(kwargs: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
+    # vLLM forwards chat_template_kwargs["documents"] to apply_chat_template's own argument.
+    documents = (kwargs or {}).get("documents")
+    if documents is None:
+        return None
+    if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+        raise PromptRenderError("chat_template_kwargs.documents must be a list of objects")
+    return documents
 
 
 def _drop_none(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -30,7 +30,13 @@ from tokenizers import Tokenizer
 from kvgate.tokenize.chat_template import ChatTemplate, load_template_sources
 from kvgate.tokenize.engines import CountingEngine, ReferenceEngine, choose_engine
 from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
-from kvgate.tokenize.messages import normalize_tools, parse_messages
+from kvgate.tokenize.messages import (
+    developer_as_system,
+    kwargs_tools,
+    normalize_tools,
+    parse_messages,
+)
+from kvgate.tokenize.request_fields import engine_kwargs
 from kvgate.tokenize.segments import (
     MIN_CACHED_CHARS,
     AddedTokenSplitter,
@@ -375,16 +381,23 @@ class PromptCounter(CountingApi):
         """The prompt string vLLM would build for this chat request."""
         if self._chat_template is None:
             raise PromptRenderError("this model has no chat template; use completions")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise PromptRenderError("chat_template_kwargs must be an object")
+        kwargs = engine_kwargs(chat_template_kwargs)
         shaped_tools = normalize_tools(tools)
+        if "tools" in kwargs:
+            # vLLM lets chat_template_kwargs["tools"] replace the request's tools, as sent.
+            shaped_tools = kwargs_tools(kwargs["tools"])
         template = self._chat_template.select(shaped_tools)
         conversation = parse_messages(messages, template.content_format)
+        conversation = developer_as_system(conversation, template.source)
         return self._chat_template.render(
             template,
             conversation,
             shaped_tools,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template_kwargs=kwargs,
         )
 
     def plan_chat(

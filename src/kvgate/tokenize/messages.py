@@ -1,30 +1,43 @@
 """Turning OpenAI chat messages and tools into what vLLM hands the chat template.
 
-Matched against vLLM's ``vllm/entrypoints/chat_utils.py`` (``_parse_chat_message_content``,
-``_parse_chat_message_content_parts``, ``_postprocess_messages``), its chat request
-model (``reasoning_content`` renamed to ``reasoning``) and ``tool.model_dump()`` of its
-``ChatCompletionToolsParam``. What we reproduce:
+Reproduces vLLM 0.34's request preprocessing for Hugging Face templates
+(``vllm/renderers/chat_utils/chat_message.py``: ``parse_chat_message_content``,
+``_strip_claude_code_billing_header``, ``_postprocess_messages``; ``vllm/renderers/hf.py``:
+``_convert_developer_to_system``, ``_consolidate_system_messages``; the request model's
+``reasoning_content`` -> ``reasoning`` rename and ``ChatCompletionToolsParam.model_dump()``):
 
 * content ``None`` -> no parts; a string -> one text part; a list -> its parts. Parts may
   be plain strings or dicts typed ``text`` / ``input_text`` / ``output_text`` (key
   ``text``), ``refusal`` (key ``refusal``) or ``thinking`` (key ``thinking``). A ``text``
   or ``refusal`` part whose value is missing is skipped.
-* For "string"-format templates the texts are joined with ``"\\n"`` (an empty list gives
-  ``""``); for "openai"-format templates each becomes ``{"type": "text", "text": ...}``.
+* A system message's text part that starts with ``x-anthropic-billing-header`` loses its
+  first line (the whole part when nothing follows it): Claude Code's per-request
+  attribution line, which vLLM drops so the prefix cache keeps working.
+* For "string"-format templates the non-empty texts are joined with ``"\\n"`` (an empty
+  list gives ``""``); for "openai"-format templates each becomes ``{"type": "text", "text": ...}``.
 * Only these keys survive: ``role``, ``content``; for assistants ``tool_calls`` (when
   not None) and ``reasoning``/``reasoning_content``; for tools ``tool_call_id``, and list
   content that is all text re-joined with ``"\\n"``; ``name`` and ``task`` when strings;
   for ``developer`` messages ``tools``.
-* Assistant ``tool_calls``: an empty list is dropped; each ``function.arguments`` given
-  as a JSON string is parsed into a dict (invalid JSON -> ``{}``); anything that is not a
-  dict or list becomes ``{}``.
-* Tools are re-shaped like pydantic's ``model_dump()``: ``{"type", "function": {"name",
-  "description", "parameters", <extra keys>}, <extra keys>}`` with missing
-  ``description``/``parameters`` present as ``None`` (so ``tojson`` prints ``null``).
+* Assistant ``tool_calls``: an empty list is dropped; each call must be a function call;
+  ``function.arguments`` that is empty becomes ``{}``, a JSON string is parsed, and
+  whatever is not then a JSON object (invalid JSON, ``[]``, ``42``, a list given as is)
+  becomes ``{}``.
+* Tools are re-shaped like their pydantic ``model_dump()``: ``{"type", "function":
+  {"name", "description", "parameters"[, "strict"][, "defer_loading"]}[,
+  "defer_loading"]}``; unknown keys are dropped, ``description``/``parameters`` are
+  present as ``None`` when missing (``tojson`` prints ``null``), ``strict`` and
+  ``defer_loading`` only when set (a tool-level ``defer_loading`` is copied onto the
+  function when the function has none).
+* When the request has a ``developer`` message and the template never names that role,
+  developer messages become system messages and, if that leaves a system message
+  anywhere but first (or several), all system texts are merged into one leading system
+  message joined with a blank line (``developer_as_system``).
 
 Differences: media parts (images, audio, video, files) are rejected, since this gateway
 counts text-only prompts; we do not re-validate every field the way vLLM's pydantic
-models do (e.g. a tool call without ``id`` is accepted here).
+models do (e.g. a tool call without ``id`` is accepted here), and extra keys of "openai"
+text parts are not carried into the part dicts vLLM builds (templates print the text).
 """
 
 from __future__ import annotations
@@ -94,7 +107,35 @@ def _require_str(value: Any, index: int, where: str) -> str:
     return value
 
 
-def _parse_content(content: Any, fmt: ContentFormat, where: str) -> str | list[dict[str, str]]:
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _strip_billing_header(parts: list[Any]) -> list[Any]:
+    """Drop the attribution line Claude Code puts first in system text parts.
+
+    Its value changes on every request; vLLM removes it so the prefix cache survives.
+    Only parts that start with it change: the first line goes, an emptied part too.
+    """
+    out: list[Any] = []
+    for part in parts:
+        if isinstance(part, str):
+            text: Any = part
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text")
+        else:
+            text = None
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+def _parse_content(
+    content: Any, fmt: ContentFormat, where: str, role: str
+) -> str | list[dict[str, str]]:
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
@@ -103,6 +144,8 @@ def _parse_content(content: Any, fmt: ContentFormat, where: str) -> str | list[d
         parts = content
     else:
         raise PromptRenderError(f"{where}: content must be a string, a list of parts or null")
+    if role == "system":
+        parts = _strip_billing_header(parts)
 
     if fmt == "openai":
         wrapped: list[dict[str, str]] = []
@@ -119,7 +162,8 @@ def _parse_content(content: Any, fmt: ContentFormat, where: str) -> str | list[d
     texts = []
     for i, part in enumerate(parts):
         _, text = _part_text(part, i, where)
-        if text is not None:
+        # vLLM keeps only non-empty strings here (a wrapped "openai" part is never empty).
+        if text:
             texts.append(text)
     return "\n".join(texts)
 
@@ -138,7 +182,7 @@ def parse_messages(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]]:
             raise PromptRenderError(f"{where}: 'role' must be a string")
         out: dict[str, Any] = {
             "role": role,
-            "content": _parse_content(message.get("content"), fmt, where),
+            "content": _parse_content(message.get("content"), fmt, where, role),
         }
 
         if role == "assistant":
@@ -186,19 +230,77 @@ def _postprocess_tool_calls(conversation: list[dict[str, Any]]) -> None:
             continue
         for j, call in enumerate(tool_calls):
             function = call.get("function") if isinstance(call, Mapping) else None
-            if not isinstance(function, dict):
+            if not isinstance(function, dict) or call.get("type", "function") != "function":
                 raise PromptRenderError(
-                    f"messages[{i}].tool_calls[{j}] must be an object with a 'function' object"
+                    f"messages[{i}].tool_calls[{j}] must be a function call with a "
+                    "'function' object"
                 )
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                # Templates expect arguments as a mapping (transformers' convention).
-                try:
-                    function["arguments"] = json.loads(arguments)
-                except json.JSONDecodeError:
-                    function["arguments"] = {}
-            elif not isinstance(arguments, dict | list):
-                function["arguments"] = {}
+            function["arguments"] = _arguments_object(function.get("arguments"))
+
+
+def _arguments_object(arguments: Any) -> dict[str, Any]:
+    """Templates need a mapping: a JSON string is parsed, anything else non-object is {}.
+
+    vLLM coerces instead of refusing because a bad call lives on in the conversation's
+    history and would fail every later turn.
+    """
+    if not arguments:
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    parsed: Any = arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def developer_as_system(
+    conversation: list[dict[str, Any]], template_source: str
+) -> list[dict[str, Any]]:
+    """What vLLM renders when a template does not know the ``developer`` role.
+
+    A template "knows" it when its source holds the quoted word. Otherwise each developer
+    message becomes a system message (its ``tools`` dropped) and, when that puts a system
+    message anywhere but first or leaves several, every system text is merged into one
+    first message (a templates such as Qwen 3.6 refuse a late system message).
+    """
+    if not any(m["role"] == "developer" for m in conversation):
+        return conversation
+    if '"developer"' in template_source or "'developer'" in template_source:
+        return conversation
+    converted = []
+    for message in conversation:
+        if message["role"] == "developer":
+            message = {k: v for k, v in message.items() if k != "tools"}
+            message["role"] = "system"
+        converted.append(message)
+    return _merge_system_messages(converted)
+
+
+def _merge_system_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    texts: list[str] = []
+    others: list[dict[str, Any]] = []
+    merge = False
+    for i, message in enumerate(conversation):
+        if message["role"] != "system":
+            others.append(message)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                part["text"] if isinstance(part, dict) else part
+                for part in content
+                if (isinstance(part, dict) and "text" in part) or isinstance(part, str)
+            )
+        if content:
+            texts.append(content)
+    if not merge:
+        return conversation
+    return [{"role": "system", "content": "\n\n".join(texts)}, *others]
 
 
 def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -224,14 +326,46 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
             raise PromptRenderError(f"{where}: function 'parameters' must be an object")
-        # Declared fields first, in model order; unknown keys follow in input order.
+        # model_dump() of vLLM's tool model: declared fields only, optional flags only
+        # when set; a tool-level defer_loading reaches the function when it has none.
+        strict = _optional_bool(function.get("strict"), f"{where}: function 'strict'")
+        tool_defer = _optional_bool(tool.get("defer_loading"), f"{where}: 'defer_loading'")
+        defer = _optional_bool(function.get("defer_loading"), f"{where}: function 'defer_loading'")
+        if defer is None:
+            defer = tool_defer
         fn: dict[str, Any] = {
             "name": function["name"],
             "description": description,
-            "parameters": copy.deepcopy(parameters),
+            "parameters": copy.deepcopy(dict(parameters)) if parameters is not None else None,
         }
-        fn.update({k: copy.deepcopy(v) for k, v in function.items() if k not in fn})
+        if strict is not None:
+            fn["strict"] = strict
+        if defer is not None:
+            fn["defer_loading"] = defer
         shaped: dict[str, Any] = {"type": "function", "function": fn}
-        shaped.update({k: copy.deepcopy(v) for k, v in tool.items() if k not in shaped})
+        if tool_defer is not None:
+            shaped["defer_loading"] = tool_defer
         out.append(shaped)
     return out
+
+
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _optional_bool(value: Any, where: str) -> bool | None:
+    """A pydantic (lax mode) ``bool | None`` field: what the model holds after validation."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE_WORDS | _FALSE_WORDS:
+        return value.lower() in _TRUE_WORDS
+    raise PromptRenderError(f"{where} must be a boolean")
+
+
+def kwargs_tools(tools: Any) -> list[dict[str, Any]]:
+    """Tools given in ``chat_template_kwargs``: the template gets them as sent."""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise PromptRenderError("chat_template_kwargs.tools must be a list of objects")
+    return copy.deepcopy(tools)

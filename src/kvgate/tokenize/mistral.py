@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvgate.tokenize.counter import CountingApi, CountPlan
 from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
 from kvgate.tokenize.messages import parse_messages
+from kvgate.tokenize.request_fields import sent_by_client
 from kvgate.tokenize.segments import MIN_CACHED_CHARS, SegmentCountCache, segment_key
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ class MistralPromptCounter(CountingApi):
         """mistral_common's request for these messages, shaped as vLLM shapes it."""
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
-        if chat_template_kwargs is not None:
+        if sent_by_client(chat_template_kwargs):
             raise PromptRenderError("chat_template_kwargs is not supported for Mistral tokenizers")
         # Text parts only, with the same refusals as every other model.
         parse_messages(messages, "string")
