@@ -227,6 +227,74 @@ async def test_engine_counts_are_the_engines_usage(
     assert await service.count_text(DEMO_MODEL_NAME, output) == counter.count_text(output)
 
 
+async def test_the_clients_key_order_reaches_the_engine(
+    engine: TestClient, service: TokenizerService
+) -> None:
+    """Templates dump tools with tojson in the client's order: a reordered body would
+    render (and count) another prompt, so the body keeps it and the cache keys on it."""
+    counter = _counter(_url(engine), cache_chats=True)
+    service.register(DEMO_MODEL_NAME, counter)
+    reordered = [
+        {
+            "function": {
+                "parameters": {
+                    "required": ["city"],
+                    "properties": {"city": {"type": "string"}},
+                    "type": "object",
+                },
+                "description": "Weather at a place",
+                "name": "get_weather",
+            },
+            "type": "function",
+        }
+    ]
+    for tools in (TOOLS, reordered):
+        counted = await service.count_chat(DEMO_MODEL_NAME, CHAT, tools)
+        served = await engine.post(
+            "/v1/chat/completions",
+            json={"model": DEMO_MODEL_NAME, "messages": CHAT, "tools": tools, "max_tokens": 1},
+        )
+        assert counted == (await served.json())["usage"]["prompt_tokens"]
+    assert counter.cache.hits == 0 and len(counter.cache) == 2
+
+
+class _KwargsWithEffort(dict[str, Any]):
+    """How the request parser hands over a request's reasoning_effort: on the kwargs."""
+
+    def __init__(self, client: dict[str, Any], effort: str) -> None:
+        super().__init__(client)
+        self.reasoning_effort = effort
+
+
+def test_generation_only_fields_are_sent_as_the_chat_route_renders_them() -> None:
+    counter = _counter("http://e/tokenize")
+
+    def body(kwargs: dict[str, Any] | None, response_format: Any = None) -> dict[str, Any]:
+        call = counter.chat_call(
+            CHAT,
+            None,
+            add_generation_prompt=True,
+            continue_final_message=False,
+            chat_template_kwargs=kwargs,
+            add_special_tokens=False,
+            response_format=response_format,
+        )
+        decoded: dict[str, Any] = json.loads(call.body)
+        return decoded
+
+    assert "chat_template_kwargs" not in body(None)
+    assert body({"x": 1})["chat_template_kwargs"] == {"x": 1}
+    assert body(_KwargsWithEffort({}, "none"))["chat_template_kwargs"] == {
+        "reasoning_effort": "none",
+        "enable_thinking": False,
+    }
+    # The effort wins over the client's own; the client's thinking switch over the effort's.
+    sent = body(_KwargsWithEffort({"reasoning_effort": "low", "enable_thinking": False}, "high"))
+    assert sent["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": False}
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    assert body(None, schema)["response_format"] == schema
+
+
 async def test_an_engine_refusal_is_an_unrenderable_prompt(
     engine: TestClient, service: TokenizerService
 ) -> None:

@@ -118,6 +118,7 @@ class PromptTokenizers(Protocol):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tenant: str = "",
+        response_format: Any = None,
     ) -> int: ...
 
     async def count_completion(self, model: str, prompt: Any, *, tenant: str = "") -> int: ...
@@ -391,6 +392,7 @@ class Admission:
                         chat_template_kwargs=request.chat_template_kwargs,
                         tenant=tenant,
                         cost=request.body_bytes or None,
+                        response_format=request.body.get("response_format"),
                     )
                 ]
             prompts = request.prompts()

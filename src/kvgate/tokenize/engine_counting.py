@@ -269,8 +269,12 @@ class EngineCounter:
         continue_final_message: bool,
         chat_template_kwargs: dict[str, Any] | None,
         add_special_tokens: bool,
+        response_format: Any = None,
     ) -> EngineCall:
-        """TokenizeChatRequest: the chat fields as the client sent them for generation."""
+        """TokenizeChatRequest: the chat fields as the client sent them for generation.
+
+        ``response_format`` goes along as sent: vLLM's renderers read it on both routes
+        (Mistral, Cohere and Kimi models write it into the prompt)."""
         body: dict[str, Any] = {
             "model": self.name,
             "messages": messages,
@@ -280,8 +284,11 @@ class EngineCounter:
         }
         if tools is not None:
             body["tools"] = tools
-        if chat_template_kwargs is not None:
-            body["chat_template_kwargs"] = chat_template_kwargs
+        kwargs = _generation_template_kwargs(chat_template_kwargs)
+        if kwargs is not None:
+            body["chat_template_kwargs"] = kwargs
+        if response_format is not None:
+            body["response_format"] = response_format
         return self._call(body, self.cache_chats)
 
     def text_call(self, text: str, *, add_special_tokens: bool) -> EngineCall:
@@ -341,6 +348,23 @@ class EngineCounter:
         if call.cache_key is not None:
             self.cache.put(call.cache_key, count)
         return count
+
+
+def _generation_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The template keywords vLLM's chat route renders a request with, for /tokenize.
+
+    The chat route adds the request's ``reasoning_effort`` to the client's
+    ``chat_template_kwargs`` (over the client's own) and, unless the client set it,
+    ``enable_thinking = reasoning_effort != "none"``. /tokenize has no reasoning_effort
+    field, so both go in as keywords. The request parser carries the effort on the kwargs
+    mapping itself (a ``reasoning_effort`` attribute)."""
+    effort = getattr(kwargs, "reasoning_effort", None)
+    if effort is None:
+        return None if kwargs is None else dict(kwargs)
+    merged = dict(kwargs or {})
+    merged["reasoning_effort"] = effort
+    merged.setdefault("enable_thinking", effort != "none")
+    return merged
 
 
 def _is_token_id(value: Any) -> bool:

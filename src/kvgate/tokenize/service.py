@@ -327,7 +327,8 @@ class _EngineLane(_FairScheduler):
     same start-time fair queueing and per-tenant bound as the workers (a slot is a
     permit, not a thread: the caller makes the call on the event loop).
 
-    Everything runs on the event loop; the inherited lock is taken uncontended.
+    It runs on the event loop (but for a resize by a reload's thread); the inherited lock
+    is taken uncontended.
     """
 
     def __init__(self, slots: int, **bounds: Any) -> None:
@@ -372,7 +373,10 @@ class _EngineLane(_FairScheduler):
                 self._in_flight += 1
                 granted.append(job)
         for job in granted:
-            _settle(job.future, True, None)
+            if _on_loop(job.loop):
+                _settle(job.future, True, None)
+            else:  # a reload's thread resized the lane
+                self._resolve(job, True, None)
 
 
 class TokenizerService:
@@ -524,7 +528,10 @@ class TokenizerService:
         tenant: str = "",
         cost: int | None = None,
         bounded: bool = True,
+        response_format: Any = None,
     ) -> int:
+        """Prompt tokens of a chat request. ``response_format`` is the request's, which only
+        a model counted by its engine can take into account (vLLM's renderers read it)."""
         if cost is None:
             cost = approx_cost(messages, tools)
         engine = self._engine_counters.get(model)
@@ -536,6 +543,7 @@ class TokenizerService:
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
                 add_special_tokens=add_special_tokens,
+                response_format=response_format,
             )
             return await self._ask_engine(tenant, cost, bounded, engine, call)
         counter = self.counter(model)
@@ -678,6 +686,13 @@ class TokenizerService:
         self._scheduler.close(wait=wait)
         for lane in self._lanes.values():
             lane.close(wait=False)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _no_work() -> None:
