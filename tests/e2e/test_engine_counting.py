@@ -6,7 +6,9 @@ equals what the engine then reports as ``usage.prompt_tokens``, for chats with t
 for completions. An engine that hangs or is down gets kvgate's documented refusal (503 +
 Retry-After in OpenAI's shape, never Envoy's 504) with nothing reserved; after a reload
 to ``on_unavailable: reserve_max_context`` the same outage admits at the model's whole
-context. The decision latency of this path is measured against local counting.
+context. A cut stream's output is counted by the engine too, and by one token per content event
+while it cannot count. The decision latency of this path is measured against local
+counting.
 """
 
 from __future__ import annotations
@@ -250,6 +252,40 @@ def test_a_hung_engine_under_load_is_refused_within_the_deadline(stack: Stack) -
     assert elapsed < 3 * TIMEOUT_S + 1.0, elapsed
 
 
+def _cut_stream_output_charge(stack: Stack) -> int:
+    """Stream a chat the simulator cuts after 12 tokens sent 4 to an event, and return the
+    output tokens kvgate charged for it (at most one event fewer may reach kvgate: the
+    upstream reset can overtake the last chunk)."""
+    before = tenant_totals(stack)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {
+        **stack.auth_headers(),
+        "x-sim-output-tokens": "40",
+        "x-sim-chunk-tokens": "4",
+        "x-sim-abort-after": "12",
+        "x-sim-itl-ms": "20",
+    }
+    with (
+        httpx.Client(timeout=httpx.Timeout(10.0, read=0.5)) as client,
+        client.stream("POST", stack.base_url + CHAT, json=body, headers=headers) as resp,
+    ):
+        assert resp.status_code == 200
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadTimeout)):
+            for _ in resp.iter_raw():
+                pass
+    after = wait_until(
+        lambda: tenant_totals(stack),
+        lambda totals: totals["prompt_tokens"] > before["prompt_tokens"],
+        timeout=10,
+    )
+    return after["output_tokens"] - before["output_tokens"]
+
+
+def test_a_cut_streams_output_is_counted_by_the_engine(stack: Stack) -> None:
+    # The engine's count of the text seen (4 tokens an event), not one per event.
+    assert _cut_stream_output_charge(stack) in (8, 12)
+
+
 def test_added_decision_latency_against_local_counting(stack: Stack) -> None:
     """Mean kvgate decision time (kvgate_decision_seconds) per path, distinct prompts."""
     text = " ".join(["the river runs past the old mill"] * 60)  # about 430 tokens
@@ -299,7 +335,9 @@ def test_after_a_reload_an_outage_admits_at_the_whole_context(stack: Stack, hung
         "on_unavailable": "reserve_max_context",
     }
     path.write_text(yaml.safe_dump(config))
-    before = kvgate_metrics(stack).value("kvgate_config_reloads_total", result="success")
+    metrics = kvgate_metrics(stack)
+    before = metrics.value("kvgate_config_reloads_total", result="success")
+    mismatches = metrics.get("kvgate_prompt_count_mismatches_total", model=MODEL) or 0.0
     assert stack.kvgate is not None and stack.kvgate.pid is not None
     os.kill(stack.kvgate.pid, signal.SIGHUP)
     wait_until(
@@ -317,3 +355,13 @@ def test_after_a_reload_an_outage_admits_at_the_whole_context(stack: Stack, hung
     # Never a guess below the prompt: prompt + completion is the whole context.
     assert int(entry["prompt_tokens"]) == MAX_CONTEXT - 16
     assert int(entry["prompt_tokens"]) >= resp.json()["usage"]["prompt_tokens"]
+    # The settlement books the engine's usage, and reports the bound as a mismatch.
+    reported = wait_until(
+        lambda: kvgate_metrics(stack).get("kvgate_prompt_count_mismatches_total", model=MODEL),
+        lambda value: (value or 0.0) == mismatches + 1,
+        timeout=5,
+    )
+    assert reported == mismatches + 1
+    # A cut stream's output cannot be counted now: one token per content event (3, or 2
+    # when the reset overtook the last chunk), after the count's deadline.
+    assert _cut_stream_output_charge(stack) in (2, 3)

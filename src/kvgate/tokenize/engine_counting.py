@@ -246,18 +246,17 @@ class EngineCounter:
         self.cache_chats = cache_chats
         # Digests are scoped to this engine and model generation: an engine serving other
         # weights under the same name (a new cache_generation) never reads old counts.
-        self._scope = _canonical(
-            {"url": endpoint.url, "model": name, "generation": cache_generation}
-        )
+        scope = _canonical({"url": endpoint.url, "model": name, "generation": cache_generation})
+        self._cache_key = hashlib.sha256(scope).digest()
         self.max_model_len: int | None = None
+        # Logged once per outage, not once per refused request.
+        self._failing = False
 
     def _call(self, body: dict[str, Any], cacheable: bool) -> EngineCall:
         encoded = _canonical(body)
         key = None
         if cacheable and self.cache.capacity > 0:
-            key = hashlib.blake2b(
-                encoded, key=hashlib.sha256(self._scope).digest()[:32], digest_size=16
-            ).digest()
+            key = hashlib.blake2b(encoded, key=self._cache_key, digest_size=16).digest()
         return EngineCall(encoded, key)
 
     def chat_call(
@@ -321,6 +320,14 @@ class EngineCounter:
         return known, calls
 
     def unavailable(self, detail: str) -> EngineCountUnavailable:
+        """The refusal (or bound) for a count the engine did not give; the first of an
+        outage is logged."""
+        if not self._failing:
+            self._failing = True
+            log.warning(
+                "the engine cannot count this model's prompts",
+                extra={"model": self.name, "url": self.endpoint.url, "error": detail},
+            )
         return EngineCountUnavailable(
             self.name,
             detail,
@@ -345,6 +352,9 @@ class EngineCounter:
                     },
                 )
             self.max_model_len = max_model_len
+        if self._failing:
+            self._failing = False
+            log.info("the engine counts again", extra={"model": self.name})
         if call.cache_key is not None:
             self.cache.put(call.cache_key, count)
         return count
