@@ -9,8 +9,8 @@ messages the way vLLM's ``parse_chat_messages`` does.
 from __future__ import annotations
 
 import copy
+import functools
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -70,32 +70,205 @@ _WORDS: tuple[str, ...] = (
 # Public: tools that build prompts of known token counts use the same words.
 SINGLE_TOKEN_WORDS = _WORDS
 
-_CONTENT_LOOP = re.compile(
-    r"\{%-?\s*for\s+\w+\s+in\s+(?:message|msg|m)\s*(?:\.\s*content|\[\s*['\"]content['\"]\s*\])"
-)
+_BILLING_HEADER = "x-anthropic-billing-header"
+_TEXT_PART_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+# The request model's reasoning_effort literal (vLLM 0.34).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 class PromptError(ValueError):
     """A request's prompt could not be rendered (bad template input, bad arguments)."""
 
 
-def detect_content_format(chat_template: str | None) -> ContentFormat:
-    """Guess vLLM's "auto" content format: "openai" when the template loops over a
-    message's content parts, else "string" (parts joined with newlines)."""
-    if chat_template and _CONTENT_LOOP.search(chat_template):
-        return "openai"
+class ChatMessages(list):  # type: ignore[type-arg]
+    """A request's messages plus the request fields vLLM hands the chat template with them
+    (``reasoning_effort``), so they reach the renderer along with the messages."""
+
+    reasoning_effort: str | None = None
+
+
+# --- content format ("auto"): vLLM 0.34's AST walk, written for the simulator ---------
+
+
+def _unwrap(node: Any) -> Any:
+    """The expression under any filters, tests and slices (``messages[1:] | list``)."""
+    from jinja2 import nodes
+
+    while (
+        (isinstance(node, nodes.Filter) and node.node is not None)
+        or isinstance(node, nodes.Test)
+        or (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice))
+    ):
+        node = node.node
+    return node
+
+
+def _dotted_name(node: Any) -> str | None:
+    """``x`` or ``ns.attr`` as read (not assigned); else None."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Name):
+        return node.name if node.ctx == "load" else None
+    if isinstance(node, nodes.Getattr):
+        base = _dotted_name(node.node)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _accessed_name(node: Any) -> str | None:
+    return _dotted_name(_unwrap(node))
+
+
+def _accessed_content_of(node: Any) -> str | None:
+    """The name ``m`` when ``node`` is ``m.content`` / ``m['content']`` (maybe filtered)."""
+    from jinja2 import nodes
+
+    node = _unwrap(node)
+    is_content = (isinstance(node, nodes.Getattr) and node.attr == "content") or (
+        isinstance(node, nodes.Getitem)
+        and isinstance(node.arg, nodes.Const)
+        and node.arg.value == "content"
+    )
+    return _dotted_name(node.node) if is_content else None
+
+
+def _content_format_of(ast: Any) -> ContentFormat:
+    from jinja2 import nodes
+
+    # Everything bound to messages, transitively (plain and namespace attributes).
+    bound = {"messages"}
+    changed = True
+    while changed:
+        changed = False
+        for assign in ast.find_all(nodes.Assign):
+            new: list[str] = []
+            source = _accessed_name(assign.node)
+            target = assign.target
+            if isinstance(target, nodes.Name):
+                if source in bound:
+                    new.append(target.name)
+                if (
+                    isinstance(assign.node, nodes.Call)
+                    and isinstance(assign.node.node, nodes.Name)
+                    and assign.node.node.name == "namespace"
+                ):
+                    new += [
+                        f"{target.name}.{kw.key}"
+                        for kw in assign.node.kwargs
+                        if _accessed_name(kw.value) in bound
+                    ]
+            elif isinstance(target, nodes.NSRef) and source in bound:
+                new.append(f"{target.name}.{target.attr}")
+            for name in new:
+                if name not in bound:
+                    bound.add(name)
+                    changed = True
+
+    loops = list(ast.find_all(nodes.For))
+    message_vars: set[str] = set()
+    for loop in loops:
+        if _accessed_name(loop.iter) in bound:
+            if not isinstance(loop.target, nodes.Name):
+                return "string"  # vLLM's walk fails on such a loop and falls back
+            message_vars.add(loop.target.name)
+
+    in_macro: set[int] = set()
+    macro_params: dict[int, set[str]] = {}
+    for macro in ast.find_all(nodes.Macro):
+        params = [a.name for a in macro.args]
+        fed: set[str] = set()
+        for call in ast.find_all(nodes.Call):
+            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args[: len(params)]):
+                if _accessed_content_of(arg) in message_vars:
+                    fed.add(params[i])
+            for kw in call.kwargs:
+                if kw.key in params and _accessed_content_of(kw.value) in message_vars:
+                    fed.add(kw.key)
+        for loop in macro.find_all(nodes.For):
+            in_macro.add(id(loop))
+            if fed:
+                macro_params[id(loop)] = fed
+
+    for loop in loops:
+        over_content = _accessed_content_of(loop.iter) in message_vars
+        if not over_content and isinstance(loop.iter, nodes.Name):
+            name = loop.iter.name
+            over_content = name in macro_params.get(id(loop), ()) or (
+                id(loop) not in in_macro and name == "content"
+            )
+        if over_content:
+            return "openai" if isinstance(loop.target, nodes.Name) else "string"
     return "string"
 
 
-def _text_of_part(part: Any) -> str | None:
+def detect_content_format(chat_template: str | None) -> ContentFormat:
+    """vLLM's "auto" content format: "openai" when the template loops over a message's
+    content parts (also through a macro parameter or a bare ``content``), else "string"."""
+    if not chat_template:
+        return "string"
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        ast = _compile_jinja_template(chat_template).environment.parse(chat_template)
+    except Exception:
+        return "string"
+    return _content_format_of(ast)
+
+
+# --- messages -------------------------------------------------------------------------
+
+
+def _without_billing_header(parts: list[Any]) -> list[Any]:
+    kept: list[Any] = []
+    for part in parts:
+        is_text_dict = isinstance(part, dict) and part.get("type") == "text"
+        text = part if isinstance(part, str) else part.get("text") if is_text_dict else None
+        if isinstance(text, str) and text.startswith(_BILLING_HEADER):
+            rest = text.split("\n", 1)[1] if "\n" in text else ""
+            if rest:
+                kept.append(rest if isinstance(part, str) else dict(part, text=rest))
+        else:
+            kept.append(part)
+    return kept
+
+
+def _part(part: Any, content_format: ContentFormat) -> Any:
+    """One content part as vLLM keeps it (None: skipped)."""
     if isinstance(part, str):
-        return part
-    if isinstance(part, dict):
-        kind = part.get("type")
-        if kind in ("text", "input_text", "output_text", "refusal"):
-            value = part.get("text", part.get("refusal"))
-            return value if isinstance(value, str) else None
-    return None
+        return {"type": "text", "text": part} if content_format == "openai" else part
+    if not isinstance(part, dict):
+        raise PromptError(f"Unsupported content part: {part!r}")
+    kind = part.get("type")
+    if kind in _TEXT_PART_KEYS:
+        text = part.get(_TEXT_PART_KEYS[kind])
+        if text is None and kind in ("text", "refusal"):
+            return None
+        if not isinstance(text, str):
+            raise PromptError(f"Unsupported content part: {part!r}")
+        return {"type": "text", "text": text} if content_format == "openai" else text
+    if kind == "tool_reference" or (kind is None and "tool_reference" in part):
+        name = part.get("name")
+        return {"type": "tool_reference", "name": name} if content_format == "openai" else name
+    raise PromptError(f"Unsupported content part: {part!r} (vllm-sim serves text only)")
+
+
+def _tool_call_arguments(value: Any) -> dict[str, Any]:
+    if not value:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return {}
+    return value if isinstance(value, dict) else {}
 
 
 def preprocess_messages(
@@ -109,60 +282,97 @@ def preprocess_messages(
         if content is None:
             parts: list[Any] = []
         elif isinstance(content, str):
-            parts = [content]
+            parts = [{"type": "text", "text": content}]
         elif isinstance(content, list):
-            parts = content
+            parts = list(content)
         else:
             raise PromptError(f"Unsupported content type for role {role!r}")
-
-        texts: list[str] = []
-        for part in parts:
-            text = _text_of_part(part)
-            if text is None:
-                raise PromptError(f"Unsupported content part: {part!r} (vllm-sim serves text only)")
-            # vLLM drops empty strings before joining, but keeps an empty part once
-            # it is wrapped as a dict (the "openai" format).
-            if text or content_format == "openai":
-                texts.append(text)
+        if role == "system":
+            parts = _without_billing_header(parts)
+        # Falsy results (a skipped part, or an empty string once joined) are dropped;
+        # an empty text wrapped as a dict is not falsy, so "openai" keeps it.
+        kept = [p for p in (_part(part, content_format) for part in parts) if p]
 
         out: dict[str, Any] = {"role": role}
-        if content_format == "openai":
-            out["content"] = [{"type": "text", "text": t} for t in texts]
-        else:
-            out["content"] = "\n".join(texts)
-
-        if role == "assistant" and message.get("tool_calls") is not None:
-            out["tool_calls"] = copy.deepcopy(list(message["tool_calls"]))
-        elif role == "tool" and "tool_call_id" in message:
-            out["tool_call_id"] = message["tool_call_id"]
+        out["content"] = kept if content_format == "openai" else "\n".join(kept)
+        if role == "assistant":
+            if message.get("tool_calls") is not None:
+                out["tool_calls"] = copy.deepcopy(list(message["tool_calls"]))
+            reasoning = message.get("reasoning")
+            if reasoning is None:
+                reasoning = message.get("reasoning_content")
+            if reasoning is not None:
+                out["reasoning"] = out["reasoning_content"] = reasoning
+        elif role == "tool":
+            if "tool_call_id" in message:
+                out["tool_call_id"] = message["tool_call_id"]
+            if isinstance(out["content"], list) and not any(
+                isinstance(p, dict) and p.get("type") != "text" for p in out["content"]
+            ):
+                out["content"] = "\n".join(p.get("text", "") for p in out["content"])
         if isinstance(message.get("name"), str):
             out["name"] = message["name"]
+        if isinstance(message.get("task"), str):
+            out["task"] = message["task"]
+        if role == "developer":
+            out["tools"] = message.get("tools")
         conversation.append(out)
 
-    # Chat templates expect tool-call arguments as objects, not the JSON strings
-    # the OpenAI API carries; empty or missing arguments become {}.
+    # Templates expect tool-call arguments as objects, not the JSON strings the OpenAI
+    # API carries; whatever is not a JSON object becomes {}.
     for out in conversation:
         if out["role"] != "assistant" or not isinstance(out.get("tool_calls"), list):
             continue
+        if not out["tool_calls"]:
+            del out["tool_calls"]
+            continue
         for call in out["tool_calls"]:
             function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                continue
-            arguments = function.get("arguments")
-            if arguments:
-                if not isinstance(arguments, (dict, list)):
-                    try:
-                        function["arguments"] = json.loads(arguments)
-                    except (TypeError, ValueError) as exc:
-                        raise PromptError(str(exc)) from exc
-            else:
-                function["arguments"] = {}
+            if not isinstance(function, dict) or call.get("type", "function") != "function":
+                raise PromptError(
+                    "chat completions only support assistant tool_calls of type 'function'."
+                )
+            function["arguments"] = _tool_call_arguments(function.get("arguments"))
     return conversation
 
 
+def developer_to_system(
+    conversation: list[dict[str, Any]], chat_template: str
+) -> list[dict[str, Any]]:
+    """vLLM's handling of ``developer`` messages for a template that never names the role:
+    they become system messages, and all system texts merge into one leading message when
+    one ends up anywhere but first."""
+    if not any(m["role"] == "developer" for m in conversation) or any(
+        quoted in chat_template for quoted in ('"developer"', "'developer'")
+    ):
+        return conversation
+    conversation = [
+        {**{k: v for k, v in m.items() if k != "tools"}, "role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in conversation
+    ]
+    system_at = [i for i, m in enumerate(conversation) if m["role"] == "system"]
+    if not system_at or system_at == [0]:
+        return conversation
+    texts = []
+    for i in system_at:
+        content = conversation[i].get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p if isinstance(p, str) else p["text"]
+                for p in content
+                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if content:
+            texts.append(content)
+    rest = [m for m in conversation if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
 def normalize_tools(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tool dicts vLLM passes to the template (its pydantic ``model_dump``):
-    declared keys first, missing optional ones as None, extra keys kept after."""
+    """The tool dicts vLLM passes to the template: its pydantic ``model_dump``, which keeps
+    the declared keys only (``strict`` and ``defer_loading`` only when set)."""
     out: list[dict[str, Any]] = []
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -170,16 +380,82 @@ def normalize_tools(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             raise PromptError("each tool needs a 'function' object")
         if not isinstance(function.get("name"), str):
             raise PromptError("each tool function needs a 'name'")
-        fn: dict[str, Any] = {
-            "name": function["name"],
-            "description": function.get("description"),
-            "parameters": function.get("parameters"),
-        }
-        fn.update({k: v for k, v in function.items() if k not in fn})
-        item: dict[str, Any] = {"type": tool.get("type", "function"), "function": fn}
-        item.update({k: v for k, v in tool.items() if k not in item})
+        if tool.get("type", "function") != "function":
+            raise PromptError("tools must be of type 'function'")
+        fn = {key: function.get(key) for key in ("name", "description", "parameters")}
+        for flag in ("strict", "defer_loading"):
+            if function.get(flag) is not None:
+                fn[flag] = _lax_bool(function[flag])
+        item: dict[str, Any] = {"type": "function", "function": fn}
+        if tool.get("defer_loading") is not None:
+            item["defer_loading"] = _lax_bool(tool["defer_loading"])
+            fn.setdefault("defer_loading", item["defer_loading"])
         out.append(item)
     return out
+
+
+def _lax_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("1", "on", "t", "true", "y", "yes"):
+        return True
+    if isinstance(value, str) and value.lower() in ("0", "off", "f", "false", "n", "no"):
+        return False
+    raise PromptError(f"Input should be a valid boolean: {value!r}")
+
+
+def template_kwargs(
+    chat_template_kwargs: dict[str, Any] | None,
+    *,
+    tools: list[dict[str, Any]] | None,
+    documents: Any,
+    reasoning_effort: str | None,
+) -> dict[str, Any]:
+    """vLLM 0.34's ``build_chat_params(...).with_defaults(...)``: the request's own fields
+    over the client's kwargs, those over the server's defaults (the tools), every
+    ``None``/``"auto"`` value counting as unset."""
+
+    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        return {**base, **{k: v for k, v in over.items() if v is not None and v != "auto"}}
+
+    client = dict(chat_template_kwargs or {})
+    request_fields: dict[str, Any] = {"documents": documents, "reasoning_effort": reasoning_effort}
+    if reasoning_effort is not None and "enable_thinking" not in client:
+        request_fields["enable_thinking"] = reasoning_effort != "none"
+    return merge({"tools": tools}, merge(client, request_fields))
+
+
+# apply_chat_template's own named parameters: vLLM forwards them whatever the template reads.
+_APPLY_PARAMS = frozenset(
+    {
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+    }
+)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_content_format(template: str) -> ContentFormat:
+    return detect_content_format(template)
+
+
+@functools.lru_cache(maxsize=32)
+def _template_variables(template: str) -> frozenset[str]:
+    from jinja2 import meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = _compile_jinja_template(template).environment
+    return frozenset(meta.find_undeclared_variables(env.parse(template)))
 
 
 class SimTokenizer:
@@ -191,7 +467,11 @@ class SimTokenizer:
         self.model_dir = Path(model_dir)
         self._tok = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
         self.chat_template: str | None = getattr(self._tok, "chat_template", None)
-        self.content_format = detect_content_format(self.chat_template)
+        # The default template's format (requests resolve their own template's).
+        default = self.chat_template
+        if isinstance(default, dict):
+            default = default.get("default")
+        self.content_format = detect_content_format(default)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.word_ids, self.word_texts = self._pick_word_tokens()
 
@@ -228,18 +508,32 @@ class SimTokenizer:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Render like vLLM's ``apply_hf_chat_template`` (chat_template_kwargs win)."""
-        conversation = preprocess_messages(messages, self.content_format)
-        kwargs: dict[str, Any] = {
-            "chat_template": chat_template,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-            "tools": normalize_tools(tools) if tools is not None else None,
-            "documents": documents,
-        }
-        kwargs.update(chat_template_kwargs or {})
+        """Render like vLLM 0.34's ``safe_apply_chat_template`` on its preprocessed chat."""
+        kwargs = template_kwargs(
+            chat_template_kwargs,
+            tools=normalize_tools(tools) if tools is not None else None,
+            documents=documents,
+            reasoning_effort=getattr(messages, "reasoning_effort", None),
+        )
+        if "chat_template" in kwargs or "tokenize" in kwargs:
+            raise PromptError("Found unexpected chat template kwargs from request")
+        tool_dicts = kwargs.pop("tools", None)
         try:
-            rendered = self._tok.apply_chat_template(conversation, tokenize=False, **kwargs)
+            template = self._tok.get_chat_template(chat_template, tools=tool_dicts)
+        except Exception as exc:
+            raise PromptError(str(exc)) from exc
+        conversation = preprocess_messages(messages, _cached_content_format(template))
+        conversation = developer_to_system(conversation, template)
+        accepted = _template_variables(template) | _APPLY_PARAMS
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        kwargs.update(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        try:
+            rendered = self._tok.apply_chat_template(
+                conversation, tools=tool_dicts, chat_template=template, tokenize=False, **kwargs
+            )
         except Exception as exc:
             # vLLM re-raises template failures as ValueError(str(e)) from e.
             raise PromptError(str(exc)) from exc

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_sim import protocol
+from vllm_sim.tokenization import REASONING_EFFORTS, ChatMessages
 
 
 class RequestError(Exception):
@@ -307,12 +308,27 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         raise _type_error(
             "dict_type", "Input should be a valid dictionary", _loc("chat_template_kwargs"), kwargs
         )
-    add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
-    continue_final_message = _opt_bool(body, "continue_final_message", False)
-    if add_generation_prompt and continue_final_message:
+    # vLLM's "before" validator reads the raw values: both truthy ("false" is) is refused.
+    # Both true only by default (add_generation_prompt not sent) is left to the chat
+    # template renderer, which refuses it too (a 400 with transformers' message).
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
         raise _value_error(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", body
         )
+    add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
+    continue_final_message = _opt_bool(body, "continue_final_message", False)
+    reasoning_effort = body.get("reasoning_effort")
+    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
+        allowed = ", ".join(f"'{e}'" for e in REASONING_EFFORTS[:-1])
+        raise _type_error(
+            "literal_error",
+            f"Input should be {allowed} or '{REASONING_EFFORTS[-1]}'",
+            _loc("reasoning_effort"),
+            reasoning_effort,
+        )
+    # The template sees the request's reasoning_effort: it travels with the messages.
+    chat_messages = ChatMessages(messages)
+    chat_messages.reasoning_effort = reasoning_effort
     # OpenAI's newer name wins; vLLM uses `max_completion_tokens or max_tokens`.
     max_tokens = _opt_int(body, "max_completion_tokens") or _opt_int(body, "max_tokens")
     common = _common(body, max_tokens=max_tokens, logprobs=_chat_logprobs(body))
@@ -322,7 +338,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     )
     return ChatRequest(
         common=common,
-        messages=messages,
+        messages=chat_messages,
         tools=tools,
         documents=body.get("documents"),
         chat_template=_opt_str(body, "chat_template"),
