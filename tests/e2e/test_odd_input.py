@@ -144,3 +144,21 @@ def test_a_clients_sampled_flag_does_not_force_tracing(monkeypatch: pytest.Monke
         assert collector.receiver.spans == []
     finally:
         collector.stop()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_that_is_not_json_is_refused_before_anything_is_reserved(
+    traced_all: tuple[Stack, Collector], content_type: str
+) -> None:
+    """vLLM reads only application/json bodies: anything else is refused by kvgate, in the
+    API's shape, before a reservation is made for a request the engine would refuse."""
+    stack, _ = traced_all
+    records = httpx.get(f"{stack.sim_url}/sim/requests?limit=1000", timeout=5).json()
+    arrived = len(records["requests"])
+    answer = post(stack, {"content-type": content_type})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "content-type" and error["type"] == "invalid_request_error"
+    records = httpx.get(f"{stack.sim_url}/sim/requests?limit=1000", timeout=5).json()
+    assert len(records["requests"]) == arrived
+    assert post(stack, {"content-type": "application/json; charset=utf-8"}).status_code == 200

@@ -235,3 +235,42 @@ async def test_well_typed_sampling_fields_and_tools_are_admitted(
     assert reply.WhichOneof("response") == "request_body"
     stream.reset()
     assert await rig.in_flight_after_reset() == (0, 0)
+
+
+# --------------------------------------------------------------------------- method, body type
+
+
+@pytest.mark.parametrize("method", ["post", "Post"])
+async def test_a_method_is_case_sensitive(priority_rig: SessionRig, method: str) -> None:
+    """RFC 9110: "post" is not POST (vLLM answers 405), so it is never admitted."""
+    stream = priority_rig.stream()
+    status, body, _ = error_of(await stream.exchange(headers_msg(method=method)))
+    assert status == 405
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "admitted"),
+    [
+        ("application/json", True),
+        ("Application/JSON; charset=utf-8", True),
+        ("text/plain", False),
+        ("application/x-www-form-urlencoded", False),
+        ("application/vnd.api+json", False),  # vLLM takes application/json only
+        ("multipart/form-data; boundary=x", False),
+    ],
+)
+async def test_only_a_json_body_is_admitted(
+    priority_rig: SessionRig, content_type: str, admitted: bool
+) -> None:
+    stream = priority_rig.stream()
+    reply = await stream.exchange(headers_msg(extra={"content-type": content_type}))
+    if not admitted:
+        status, body, _ = error_of(reply)
+        assert status == 400 and body["error"]["param"] == "content-type"
+        return
+    assert reply.WhichOneof("response") == "request_headers"
+    reply = await stream.exchange(body_msg(CHAT))
+    assert reply.WhichOneof("response") == "request_body"
+    stream.reset()
+    assert await priority_rig.in_flight_after_reset() == (0, 0)

@@ -174,6 +174,15 @@ class _AnswerSources:
         return self.idempotency or self.exact or self.semantic
 
 
+def _json_content_type(value: str | None) -> bool:
+    """A request content type the engine accepts: application/json (parameters such as
+    charset aside). vLLM refuses every other one with a 400; one that is absent passes here
+    (many clients omit it for JSON) and meets the engine's own 400, which is charged nothing."""
+    if value is None or not value.strip(_OWS):
+        return True
+    return value.split(";", 1)[0].strip(_OWS).lower() == "application/json"
+
+
 def _small_json_answer(content_type: str, content_length: str) -> bool:
     """A whole (non-streamed) answer whose declared size fits one buffered message."""
     if not content_type.startswith("application/json") or not (
@@ -309,7 +318,8 @@ class StreamSession:
         if self._tracing is not None:
             self._trace_parent = self._tracing.extract(headers)
         self._path = _path_only(headers.get(":path", ""))
-        method = headers.get(":method", "").upper()
+        # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST, and vLLM says 405.
+        method = headers.get(":method", "")
         # Clients must not be able to forge the headers Envoy routes and logs on.
         forged = [name for name in headers if name.startswith(HEADER_PREFIX)]
         route = self._route
@@ -371,6 +381,16 @@ class StreamSession:
         if http.end_of_stream:
             return self._reject(
                 api_errors.invalid_request("The request body is empty; expected JSON."),
+                Answer.INVALID_REQUEST,
+            )
+        if not _json_content_type(headers.get("content-type")):
+            # The engine reads only JSON bodies (none given: JSON too); anything else it
+            # refuses after kvgate would have reserved for it.
+            return self._reject(
+                api_errors.invalid_request(
+                    "The request body must be JSON: send content-type: application/json.",
+                    "content-type",
+                ),
                 Answer.INVALID_REQUEST,
             )
         if self._request_body_mode != _Mode.BUFFERED:
