@@ -32,10 +32,12 @@ up: install demo-model
 test: install demo-model
 	$(BIN)/ruff check src sim testbed tests tools bench deploy
 	$(BIN)/ruff format --check src sim testbed tests tools bench deploy
+	$(BIN)/mypy
 	$(BIN)/pytest -q
 
 lint: install
 	$(BIN)/ruff check src sim testbed tests tools bench deploy
+	$(BIN)/mypy
 
 format: install
 	$(BIN)/ruff format src sim testbed tests tools bench deploy

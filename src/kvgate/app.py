@@ -417,8 +417,8 @@ class KvgateServer:
         await self._http.setup()
         site = web.TCPSite(self._http, host.strip("[]"), int(port))
         await site.start()
-        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
-        self.http_port = sockets[0].getsockname()[1] if sockets else int(port)
+        addresses = self._http.addresses  # its one site's bound sockets
+        self.http_port = addresses[0][1] if addresses else int(port)
         if operator_https is not None and self.operator_tls is not None:
             listen = server_cfg.operator_https_listen or ""
             host, _, port = listen.rpartition(":")
@@ -430,8 +430,8 @@ class KvgateServer:
                 ssl_context=self.operator_tls.ssl_context(),
             )
             await secure.start()
-            sockets = secure._server.sockets if secure._server else []  # type: ignore[union-attr]
-            self.operator_https_port = sockets[0].getsockname()[1] if sockets else int(port)
+            addresses = operator_https.addresses  # its one site's bound sockets
+            self.operator_https_port = addresses[0][1] if addresses else int(port)
 
         if self.config_path is not None:
             self.reloader = ConfigReloader(

@@ -30,6 +30,7 @@ import re
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,7 @@ class EnvoyAdmin:
         }
 
     def state(self) -> EnvoyState:
-        text = self._open("/stats?filter=" + urllib.request.quote(_STATS_FILTER, safe=""))
+        text = self._open("/stats?filter=" + urllib.parse.quote(_STATS_FILTER, safe=""))
         requests = connections = active = stopped = 0
         for line in text.splitlines():
             name, sep, value = line.partition(": ")

@@ -15,9 +15,9 @@ kvgate_client_certificates_refused_total{listener}.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import grpc
 from aiohttp import web
@@ -47,7 +47,7 @@ class PeerIdentity:
         return ", ".join(parts) or "no SAN and no common name"
 
 
-def identity_from_auth_context(auth_context: Mapping[str, Sequence[bytes]]) -> PeerIdentity | None:
+def identity_from_auth_context(auth_context: Mapping[str, Iterable[bytes]]) -> PeerIdentity | None:
     """The identity in a gRPC call's auth context; None without a client certificate."""
     if not auth_context.get("x509_pem_cert"):
         return None
@@ -150,16 +150,25 @@ class CertificateIdentityInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(self._prefixes):
             return handler
         return _checked_handler(handler, self._gate)
 
 
-def _checked_handler(handler: grpc.RpcMethodHandler, gate: ClientIdentityGate) -> Any:
+# typeshed types a method handler's behaviours as the sync server's; under grpc.aio they are
+# coroutine functions (one response) or async generator functions (streamed responses), called
+# with the aio context.
+_AioUnary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+_AioStreaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def _checked_handler(handler: grpc.RpcMethodHandler[Any, Any], gate: ClientIdentityGate) -> Any:
     async def admit(context: grpc.aio.ServicerContext) -> None:
         if not gate.enforcing():
             return  # no list: skip reading the peer's certificate on every stream
@@ -169,7 +178,7 @@ def _checked_handler(handler: grpc.RpcMethodHandler, gate: ClientIdentityGate) -
 
     deserializer, serializer = handler.request_deserializer, handler.response_serializer
     if handler.unary_unary:
-        inner_uu = handler.unary_unary
+        inner_uu = cast(_AioUnary, handler.unary_unary)
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await admit(context)
@@ -177,7 +186,7 @@ def _checked_handler(handler: grpc.RpcMethodHandler, gate: ClientIdentityGate) -
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
     if handler.unary_stream:
-        inner_us = handler.unary_stream
+        inner_us = cast(_AioStreaming, handler.unary_stream)
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await admit(context)
@@ -186,14 +195,14 @@ def _checked_handler(handler: grpc.RpcMethodHandler, gate: ClientIdentityGate) -
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
     if handler.stream_unary:
-        inner_su = handler.stream_unary
+        inner_su = cast(_AioUnary, handler.stream_unary)
 
         async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             await admit(context)
             return await inner_su(requests, context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
-    inner_ss = handler.stream_stream
+    inner_ss = cast(_AioStreaming, handler.stream_stream)  # the only kind left
 
     async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         await admit(context)

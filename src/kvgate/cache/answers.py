@@ -541,7 +541,7 @@ class RedisAnswerStore:
         quota: AnswerQuota | None = None,
     ) -> Claim:
         await self._check_memory()
-        state, held_fp, answer = await self._call(
+        reply = await self._call(
             self._claim,
             key,
             quota,
@@ -553,6 +553,8 @@ class RedisAnswerStore:
             key,
             "1" if self._memory_room else "0",
         )
+        assert isinstance(reply, list)  # the claim script always answers {state, fp, answer}
+        state, held_fp, answer = reply
         fp = _text(held_fp)
         if _text(state) == "completed":
             return Claim(ClaimState.COMPLETED, fp, StoredAnswer.decode(bytes(answer)))

@@ -175,7 +175,11 @@ class RedisEntryLog:
             )
         entries: list[SemanticEntry] = []
         last = cursor
+        # The client's types allow None for other stream commands; XRANGE always answers a
+        # list (empty when nothing is newer) of entries with their fields.
+        assert rows is not None
         for entry_id, fields in rows:
+            assert fields is not None
             last = _text(entry_id)
             entry = _decode(fields)
             if entry is not None:

@@ -31,7 +31,7 @@ from kvgate.policy import (
     requests_only,
 )
 from kvgate.store import StateStore, StoreUnavailable
-from kvgate.tokenize import PromptCounter, PromptRenderError, TokenizerBusy
+from kvgate.tokenize import CountingApi, PromptRenderError, TokenizerBusy
 from kvgate.tokenize.engine_counting import EngineCountUnavailable
 
 # Rejections a lower bound on the prompt answers exactly: they do not depend on its size
@@ -118,14 +118,17 @@ class PromptTokenizers(Protocol):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tenant: str = "",
+        cost: int | None = None,
         response_format: Any = None,
     ) -> int: ...
 
-    async def count_completion(self, model: str, prompt: Any, *, tenant: str = "") -> int: ...
+    async def count_completion(
+        self, model: str, prompt: Any, *, tenant: str = "", cost: int | None = None
+    ) -> int: ...
 
     async def count_text(self, model: str, text: str, *, tenant: str = "") -> int: ...
 
-    def counter(self, model: str) -> PromptCounter: ...
+    def counter(self, model: str) -> CountingApi: ...
 
 
 @dataclass(frozen=True, slots=True)

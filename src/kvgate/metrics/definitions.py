@@ -388,10 +388,15 @@ class CountingSource(Protocol):
 
 
 class CacheStatsLike(Protocol):
-    hits: int
-    misses: int
-    size: int
-    capacity: int
+    # Read only: the service hands out a frozen snapshot.
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
 
 
 class CountingCollector(Collector):

@@ -29,13 +29,13 @@ def _usage_handler(
         if require_client_cert and not _peer_certificate(request):
             # The handshake already demands one (mutual TLS); this only guards against a
             # listener set up without it.
-            denial = ApiError(
+            refusal = ApiError(
                 403,
                 "This operator endpoint needs a client certificate (mutual TLS).",
                 INVALID_REQUEST_ERROR,
                 "client_certificate_required",
             )
-            return web.json_response(denial.to_dict(), status=denial.status)
+            return web.json_response(refusal.to_dict(), status=refusal.status)
         if authorize_admin is not None:
             denial = authorize_admin(request.headers.get("Authorization"))
             if denial is not None:

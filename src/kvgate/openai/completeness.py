@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 __all__ = ["AnswerDefect", "answer_defect", "answer_is_complete"]
 
@@ -217,7 +217,7 @@ def _is_error(obj: dict[str, Any]) -> bool:
     return obj.get("error") is not None or obj.get("object") == "error"
 
 
-def _is_index(value: object) -> bool:
+def _is_index(value: object) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 

@@ -17,7 +17,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]  # there, but not in typeshed
 from typing import Any, Final
 
 __all__ = [
@@ -64,12 +64,9 @@ def usage_from_mapping(usage: Any) -> Usage | None:
     if prompt is None:
         return None
     raw_completion = usage.get("completion_tokens")
-    if raw_completion is None:
-        completion = 0
-    else:
-        completion = _count(raw_completion)
-        if completion is None:
-            return None
+    completion = 0 if raw_completion is None else _count(raw_completion)
+    if completion is None:
+        return None
     cached = 0
     details = usage.get("prompt_tokens_details")
     if type(details) is dict:
@@ -361,7 +358,9 @@ class _JsonScan:
     def _structure(self, data: bytes | bytearray, pos: int, end: int) -> int:
         frames = self._frames
         while True:
-            pos = _SCALARS.match(data, pos, end).end()
+            m = _SCALARS.match(data, pos, end)
+            assert m is not None  # the pattern matches the empty string
+            pos = m.end()
             if pos >= end:
                 return pos
             c = data[pos]
@@ -427,7 +426,9 @@ class _JsonScan:
     def _string_start(self, data: bytes | bytearray, pos: int, end: int) -> int:
         frame = self._frames[-1]
         if self._st == _ST_KEY:
-            q = _STR_BODY.match(data, pos, end).end()
+            m = _STR_BODY.match(data, pos, end)
+            assert m is not None  # the pattern matches the empty string
+            q = m.end()
             if q < end and data[q] == _QUOTE:  # the whole key is in this piece
                 self._on_key(data[pos:q] if q - pos <= _MAX_KEY else b"")
                 return q + 1
@@ -454,7 +455,9 @@ class _JsonScan:
             if pos >= end:
                 self._keep_string(data, start, end)
                 return end
-        q = _STR_BODY.match(data, pos, end).end()
+        m = _STR_BODY.match(data, pos, end)
+        assert m is not None  # the pattern matches the empty string
+        q = m.end()
         if q >= end or data[q] != _QUOTE:
             self._esc = q < end  # stopped before a final backslash
             self._keep_string(data, start, end)
@@ -557,7 +560,11 @@ class _JsonScan:
             if self._esc:
                 self._esc = False
                 pos += 1
-            q = _STR_BODY.match(data, pos, end).end() if pos < end else end
+            q = end
+            if pos < end:
+                m = _STR_BODY.match(data, pos, end)
+                assert m is not None  # the pattern matches the empty string
+                q = m.end()
             if q >= end or data[q] != _QUOTE:
                 self._esc = q < end
                 self._captured(data, start, end)
@@ -566,13 +573,17 @@ class _JsonScan:
             self._in_str = False
         depth = self._depth
         while True:
-            pos = _SKIP.match(data, pos, end).end()
+            m = _SKIP.match(data, pos, end)
+            assert m is not None  # the pattern matches the empty string
+            pos = m.end()
             if pos >= end:
                 break
             c = data[pos]
             pos += 1
             if c == _QUOTE:  # a string cut by the end of the piece
-                q = _STR_BODY.match(data, pos, end).end()
+                m = _STR_BODY.match(data, pos, end)
+                assert m is not None  # the pattern matches the empty string
+                q = m.end()
                 if q < end and data[q] == _QUOTE:  # cannot happen: _SKIP takes whole strings
                     pos = q + 1
                     continue

@@ -114,7 +114,9 @@ def _data_of(event: bytes | bytearray) -> bytes | bytearray | None:
     return values[0] if len(values) == 1 else b"\n".join(values)
 
 
-_scan_once: Final = make_scanner(json.JSONDecoder())
+# typeshed types the scanner's context as a make_scanner; it takes any object with a
+# decoder's attributes, as json.JSONDecoder itself passes (its own scan_once).
+_scan_once: Final = make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 _JSON_WS: Final = " \t\r\n"
 
 

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from tokenizers import Tokenizer
 
@@ -73,9 +73,13 @@ class CountingApi:
     """
 
     name: str = ""
-    # The engine that counts (a metric label) and why the fastest one was not taken.
-    engine: str = ""
+    # Why the fastest engine was not taken.
     engine_reason: str = ""
+
+    @property
+    def engine(self) -> str:
+        """The engine that counts (a metric label)."""
+        return ""
 
     @property
     def max_token_chars(self) -> int:
@@ -243,7 +247,7 @@ class PromptCounter(CountingApi):
     @classmethod
     def from_model_dir(
         cls, model_dir: Path | str, *, name: str = "", counting_engine: str = "auto"
-    ) -> PromptCounter:
+    ) -> Self:
         path = Path(model_dir)
         try:
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))

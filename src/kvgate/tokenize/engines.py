@@ -285,11 +285,11 @@ def _compiled_ranks(
             raise _Unsupported("ignore_merges with tokens no merge makes")
     else:
         reachable = tokenizer.model
-        for token, token_bytes in to_bytes.items():
+        for token_text, token_bytes in to_bytes.items():
             if (
                 len(token_bytes) > 1
                 and token_bytes in ranks
-                and len(reachable.tokenize(token)) != 1
+                and len(reachable.tokenize(token_text)) != 1
             ):
                 raise _Unsupported(f"{token_bytes!r} is not reached by merges alone")
     return pattern, ranks, nfc
