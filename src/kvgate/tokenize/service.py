@@ -17,6 +17,10 @@ The workers are shared by every tenant, so they are scheduled fairly instead of 
   already running finishes, and its result is discarded;
 * one tenant's outstanding work (queued + running) is bounded; past the bound the call
   raises ``TokenizerBusy`` with a retry hint, to be answered with a 429.
+
+A model counted by its engine (``engine_counting``) takes the same scheduling for its
+/tokenize calls: each engine URL has a lane of ``max_concurrency`` slots handed out by the
+same fair queueing and per-tenant bound; the call itself is made on the event loop.
 """
 
 from __future__ import annotations
@@ -460,10 +464,6 @@ class TokenizerService:
 
     def models(self) -> list[str]:
         return sorted([*self._counters, *self._engine_counters])
-
-    def engine_counter(self, model: str) -> EngineCounter | None:
-        """The model's engine counter when its engine counts it, else None."""
-        return self._engine_counters.get(model)
 
     def counter(self, model: str) -> CountingApi:
         """The model's counter; ``KeyError`` if the model is not registered."""
