@@ -195,6 +195,9 @@ async def test_engine_counts_are_the_engines_usage(
     engine: TestClient, service: TokenizerService, counter: PromptCounter
 ) -> None:
     service.register(DEMO_MODEL_NAME, _counter(_url(engine)))
+    assert service.engines() == {DEMO_MODEL_NAME: "engine-tokenize"}  # the info metric's
+    with pytest.raises(KeyError):
+        service.counter(DEMO_MODEL_NAME)  # no vocabulary: no length bound before counting
     chat = await service.count_chat(DEMO_MODEL_NAME, CHAT, TOOLS, tenant="a")
     served = await engine.post(
         "/v1/chat/completions",

@@ -476,8 +476,11 @@ class TokenizerService:
         return self._cache.stats()
 
     def engines(self) -> dict[str, str]:
-        """Model -> the engine counting its segments (compiled-bpe or reference)."""
-        return {name: counter.engine for name, counter in self._counters.items()}
+        """Model -> the engine counting its segments (compiled-bpe or reference), or
+        engine-tokenize for a model its engine counts."""
+        engines = {name: counter.engine for name, counter in self._counters.items()}
+        engines.update((name, EngineCounter.engine) for name in self._engine_counters)
+        return engines
 
     @property
     def max_workers(self) -> int:
