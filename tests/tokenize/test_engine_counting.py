@@ -12,6 +12,7 @@ can count.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import socket
@@ -577,3 +578,76 @@ def test_check_config_names_the_missing_engine(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "models.0" in done.stderr + done.stdout
     assert "tokenize_url" in done.stderr + done.stdout
+
+
+# -- admission: what a model does while its engine cannot count ----------------------------
+
+
+async def _admission_with_engine(url: str, *, upper_bound: bool) -> AsyncIterator[Any]:
+    from tests.lifecycle.conftest import MODEL, make_lifecycle
+
+    async for life in make_lifecycle():
+        # max_context 4096, default_max_new_tokens 100 (tests/lifecycle/conftest.py)
+        life.tokenizers.register(
+            MODEL, _counter(url, name=MODEL, timeout_s=0.2, reserve_upper_bound=upper_bound)
+        )
+        yield life
+        await life.tokenizers.close_engines()
+
+
+_admissions = itertools.count()
+
+
+async def _admit(life: Any, path: str, **body: Any) -> Any:
+    from kvgate.openai import parse_request
+    from tests.lifecycle.conftest import MODEL
+
+    request = parse_request(path, json.dumps({"model": MODEL, **body}).encode())
+    policy = life.snapshots.current.tenants["acme"]
+    rid = f"r{next(_admissions)}"
+    return await life.admission().admit(request, policy, rid, f"{rid}/x")
+
+
+async def test_an_engine_that_cannot_count_refuses_and_reserves_nothing(down_url: str) -> None:
+    from kvgate.lifecycle import Rejected
+    from kvgate.policy import Reason
+
+    async for life in _admission_with_engine(down_url, upper_bound=False):
+        with pytest.raises(Rejected) as refused:
+            await _admit(life, "/v1/chat/completions", messages=CHAT[:2], max_tokens=10)
+        rejection = refused.value.rejection
+        assert rejection.reason is Reason.COUNTING_UNAVAILABLE
+        assert rejection.retry_after_s == 1.0
+        assert await life.in_flight() == (0, 0)
+
+
+async def test_an_upper_bound_admission_takes_the_whole_context(down_url: str) -> None:
+    from kvgate.lifecycle import Rejected
+    from kvgate.policy import Reason
+
+    async for life in _admission_with_engine(down_url, upper_bound=True):
+        ticket = await _admit(life, "/v1/chat/completions", messages=CHAT[:2], max_tokens=10)
+        assert (ticket.prompt_tokens, ticket.max_new_tokens) == (4096 - 10, 10)
+        assert await life.in_flight() == (4096, 1)
+        await life.store.abandon(ticket.reservation.request)
+
+        # No cap asked for: the model's default completion, the rest for the prompt.
+        ticket = await _admit(life, "/v1/chat/completions", messages=CHAT[:2], n=2)
+        assert (ticket.prompt_tokens, ticket.max_new_tokens) == (4096 - 100, 100)
+        assert ticket.reservation.kv_tokens >= 4096 - 100 + 2 * 100
+        await life.store.abandon(ticket.reservation.request)
+
+        # A batch: each of its prompts with its completion fits the context (2 x 4096: the
+        # backend's whole budget).
+        ticket = await _admit(life, "/v1/completions", prompt=["a", "b"], max_tokens=96)
+        assert ticket.prompt_tokens == 2 * (4096 - 96)
+        await life.store.abandon(ticket.reservation.request)
+
+        with pytest.raises(Rejected) as too_long:
+            await _admit(life, "/v1/chat/completions", messages=CHAT[:2], max_tokens=4096)
+        assert too_long.value.rejection.reason is Reason.CONTEXT_LENGTH_EXCEEDED
+        with pytest.raises(Rejected) as min_tokens:
+            await _admit(
+                life, "/v1/chat/completions", messages=CHAT[:2], max_tokens=5, min_tokens=6
+            )
+        assert min_tokens.value.rejection.reason is Reason.MIN_TOKENS_OVER_CAP
