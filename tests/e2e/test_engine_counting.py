@@ -45,7 +45,7 @@ TIMEOUT_S = 0.4
 MAX_CONTEXT = 32768
 DEFAULT_MAX_NEW = 1024
 ERROR_KEYS = {"message", "type", "param", "code"}
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {

@@ -41,7 +41,7 @@ from testbed.demo_model import DEMO_MODEL_NAME
 from vllm_sim import SimConfig, create_app
 from vllm_sim.tokenization import SimTokenizer
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -55,7 +55,7 @@ TOOLS = [
         },
     }
 ]
-CHAT = [
+CHAT: list[dict[str, Any]] = [
     {"role": "system", "content": "You answer briefly."},
     {"role": "user", "content": "What is the weather in Paris?"},
     {
@@ -225,7 +225,7 @@ async def test_engine_counts_are_the_engines_usage(
     assert await service.count_completion(DEMO_MODEL_NAME, prompt) == counter.count_completion(
         prompt
     )
-    batch = [prompt, [1, 2, 3], "and more"]
+    batch: Any = [prompt, [1, 2, 3], "and more"]  # texts and token ids mixed
     assert await service.count_completion(DEMO_MODEL_NAME, batch) == counter.count_completion(batch)
     output = "It is 18 degrees and raining."
     assert await service.count_text(DEMO_MODEL_NAME, output) == counter.count_text(output)
