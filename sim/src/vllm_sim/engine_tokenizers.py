@@ -3,6 +3,8 @@
 * ``mistral``: vLLM's mistral tokenizer mode. transformers' ``MistralCommonBackend`` (the
   class vLLM wraps) turns the OpenAI messages into mistral_common's request and encodes it;
   completions are ``backend(text, add_special_tokens=...)``.
+* ``deepseek_v32`` / ``deepseek_v4``: DeepSeek's Python prompt encoders in place of the chat
+  template, chosen from the architecture (``vllm_sim.deepseek_prompts``).
 * ``harmony``: gpt-oss. Chats are rendered with the harmony library (``openai_harmony``,
   from the ``oss-harmony`` distribution vLLM depends on): a system message with the
   reasoning effort, a developer message with the instructions and tools, then the
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_sim.deepseek_prompts import DeepseekSimTokenizer, architecture_mode
 from vllm_sim.tokenization import (
     SINGLE_TOKEN_WORDS,
     PromptError,
@@ -31,8 +34,9 @@ from vllm_sim.tokenization import (
 
 
 def pick_tokenizer_mode(model_dir: Path, requested: str = "auto") -> str:
-    """vLLM's choice: gpt_oss config -> harmony; a Mistral tokenizer file with
-    consolidated weights (or with no tokenizer.json at all) -> mistral; else hf."""
+    """vLLM's choice: gpt_oss config -> harmony; a DeepSeek V3.2 / V4 architecture -> its
+    encoder mode; a Mistral tokenizer file with consolidated weights (or with no
+    tokenizer.json at all) -> mistral; else hf."""
     try:
         with open(model_dir / "config.json", encoding="utf-8") as fh:
             is_gpt_oss = json.load(fh).get("model_type") == "gpt_oss"
@@ -42,6 +46,9 @@ def pick_tokenizer_mode(model_dir: Path, requested: str = "auto") -> str:
         return "harmony" if is_gpt_oss else requested
     if is_gpt_oss:
         return "harmony"
+    encoder_mode = architecture_mode(model_dir)
+    if encoder_mode is not None:
+        return encoder_mode
     files = os.listdir(model_dir)
     mistral_file = any(
         f == "tekken.json" or fnmatch.fnmatch(f, "tokenizer.model.v*") for f in files
@@ -58,6 +65,8 @@ def load_sim_tokenizer(model_dir: Path, requested_mode: str = "auto") -> SimToke
         return MistralSimTokenizer(model_dir)
     if mode == "harmony":
         return HarmonySimTokenizer(model_dir)
+    if mode in ("deepseek_v32", "deepseek_v4"):
+        return DeepseekSimTokenizer(model_dir, mode)
     return SimTokenizer(model_dir)
 
 

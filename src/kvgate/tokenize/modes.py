@@ -4,9 +4,15 @@
 * ``mistral``: vLLM's mistral tokenizer mode, ``mistral_common`` (``MistralPromptCounter``).
 * ``harmony``: gpt-oss, whose chats vLLM renders with the harmony library whatever the
   tokenizer mode (``HarmonyPromptCounter``; completions and output as ``hf``).
+* ``deepseek_v32`` / ``deepseek_v4``: vLLM's modes of those names, DeepSeek's Python prompt
+  encoders in place of the chat template, the Hugging Face tokenizer for the rest
+  (``DeepseekV32PromptCounter`` / ``DeepseekV4PromptCounter``).
 
 ``auto`` decides from the model directory as vLLM does: a ``config.json`` whose
-``model_type`` is ``gpt_oss`` is harmony; a Mistral tokenizer file (``tekken.json`` or
+``model_type`` is ``gpt_oss`` is harmony; an architecture (``architectures``, the first
+entry vLLM supports) ``DeepseekV32ForCausalLM`` is deepseek_v32, ``DeepseekV4ForCausalLM`` or
+``DeepseekV4ForConditionalGeneration`` deepseek_v4 (vLLM sets these before it looks for
+Mistral files); a Mistral tokenizer file (``tekken.json`` or
 ``tokenizer.model.v*``) is the mistral mode when the directory also holds Mistral-format
 weights (``consolidated*.safetensors``, vLLM's own condition) or has no ``tokenizer.json``
 (a Mistral-format-only directory, which nothing but mistral_common can read); anything
@@ -27,12 +33,28 @@ from kvgate.tokenize.counter import CountingApi, PromptCounter
 from kvgate.tokenize.errors import TokenizerLoadError
 from kvgate.tokenize.loader import MISTRAL_WEIGHTS_RECORD
 
-TokenizerMode = Literal["auto", "hf", "mistral", "harmony"]
-ResolvedMode = Literal["hf", "mistral", "harmony"]
+TokenizerMode = Literal["auto", "hf", "mistral", "harmony", "deepseek_v32", "deepseek_v4"]
+ResolvedMode = Literal["hf", "mistral", "harmony", "deepseek_v32", "deepseek_v4"]
+RESOLVED_MODES: tuple[ResolvedMode, ...] = (
+    "hf",
+    "mistral",
+    "harmony",
+    "deepseek_v32",
+    "deepseek_v4",
+)
 
 MISTRAL_TOKENIZER_PATTERNS = ("tekken.json", "tokenizer.model.v*")
 MISTRAL_WEIGHTS_PATTERN = "consolidated*.safetensors"
 HARMONY_MODEL_TYPE = "gpt_oss"
+# The architectures vLLM's ModelConfig gives a DeepSeek encoder mode under auto.
+DEEPSEEK_ARCHITECTURES: dict[str, ResolvedMode] = {
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
+    "DeepseekV4ForConditionalGeneration": "deepseek_v4",
+}
+# Architectures whose chats vLLM builds with an encoder kvgate does not reproduce: counting
+# them with the chat template would not be the engine's count.
+UNCOUNTED_ARCHITECTURES = {"DeepseekV41ForCausalLM": "deepseek_v41"}
 
 
 def _has(names: list[str], pattern: str) -> bool:
@@ -49,10 +71,49 @@ def model_type(model_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def architectures(model_dir: Path) -> list[str]:
+    """``architectures`` from the directory's config.json (empty when it has none)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    value = config.get("architectures") if isinstance(config, dict) else None
+    return [a for a in value if isinstance(a, str)] if isinstance(value, list) else []
+
+
+def _encoder_mode(model_dir: Path) -> ResolvedMode | None:
+    """The DeepSeek encoder mode vLLM's auto picks from the architecture, if any.
+
+    vLLM resolves the first listed architecture it supports; kvgate does not carry vLLM's
+    model registry, so an encoder architecture listed after another one is refused rather
+    than guessed (a real config lists one)."""
+    listed = architectures(model_dir)
+    for position, arch in enumerate(listed):
+        if arch not in DEEPSEEK_ARCHITECTURES and arch not in UNCOUNTED_ARCHITECTURES:
+            continue
+        if position > 0:
+            raise TokenizerLoadError(
+                str(model_dir),
+                f"config.json lists {arch} after {listed[0]}: which one vLLM serves decides "
+                "its prompt path; set tokenizer_mode to the --tokenizer-mode vLLM runs with",
+            )
+        if arch in UNCOUNTED_ARCHITECTURES:
+            raise TokenizerLoadError(
+                str(model_dir),
+                f"vLLM renders {arch} chats with its {UNCOUNTED_ARCHITECTURES[arch]} encoder, "
+                "which kvgate does not reproduce",
+            )
+        return DEEPSEEK_ARCHITECTURES[arch]
+    return None
+
+
 def detect_tokenizer_mode(model_dir: Path) -> ResolvedMode:
     """``auto`` resolved for this directory (see the module docstring)."""
     if model_type(model_dir) == HARMONY_MODEL_TYPE:
         return "harmony"
+    encoder = _encoder_mode(model_dir)
+    if encoder is not None:
+        return encoder
     try:
         names = os.listdir(model_dir)
     except OSError:
@@ -77,10 +138,9 @@ def _recorded_weights(model_dir: Path) -> bool:
 
 def resolve_tokenizer_mode(configured: str, model_dir: Path) -> ResolvedMode:
     """The mode to count in; a setting that cannot match what vLLM does is refused."""
-    detected = detect_tokenizer_mode(model_dir)
     if configured == "auto":
-        return detected
-    if configured not in ("hf", "mistral", "harmony"):
+        return detect_tokenizer_mode(model_dir)
+    if configured not in RESOLVED_MODES:
         raise TokenizerLoadError(str(model_dir), f"unknown tokenizer_mode {configured!r}")
     gpt_oss = model_type(model_dir) == HARMONY_MODEL_TYPE
     if gpt_oss and configured != "harmony":
@@ -116,6 +176,11 @@ def load_counter(
         from kvgate.tokenize.mistral import MistralPromptCounter
 
         return MistralPromptCounter.from_model_dir(path, name=name)
+    if mode in ("deepseek_v32", "deepseek_v4"):
+        from kvgate.tokenize.deepseek import DeepseekV4PromptCounter, DeepseekV32PromptCounter
+
+        cls = DeepseekV32PromptCounter if mode == "deepseek_v32" else DeepseekV4PromptCounter
+        return cls.from_model_dir(path, name=name, counting_engine=counting_engine)
     if mode == "harmony":
         from kvgate.tokenize.harmony import HarmonyPromptCounter
 
