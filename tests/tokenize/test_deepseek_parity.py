@@ -144,6 +144,21 @@ def deepseek_cases() -> list[ChatCase]:
             ],
         ),
         ChatCase(
+            "arguments that are not a JSON object",
+            [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": "calling",
+                    "tool_calls": [
+                        {"id": "x", "type": "function", "function": {"name": "f", "arguments": a}}
+                        for a in ('{"broken": ', "[1, 2]", "42", "")
+                    ],
+                },
+                *({"role": "tool", "tool_call_id": "x", "content": str(n)} for n in range(4)),
+            ],
+        ),
+        ChatCase(
             "task",
             [{"role": "user", "content": "classify <｜query｜>", "task": "query"}],
         ),

@@ -136,9 +136,31 @@ def _as_text(value: Any) -> str:
     return "{}".format(value)  # noqa: UP032 - str.format is what the encoders write with
 
 
+def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM 0.34 coerces tool-call arguments that are not a JSON object (malformed JSON,
+    a list, a number) to {} rather than failing the turn."""
+    calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+    if not isinstance(calls, list):
+        return message
+    message = copy.deepcopy(message)
+    for call in message["tool_calls"]:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not fn.get("arguments"):
+            continue
+        value = fn["arguments"]
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = {}
+        fn["arguments"] = value if isinstance(value, dict) else {}
+    return message
+
+
 def _vllm_conversation(messages: Sequence[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
     """vLLM's parsed conversation: the simulator's preprocessing plus the keys vLLM keeps
     that the template path has no use for (reasoning, task, joined tool texts)."""
+    messages = [_with_object_arguments(m) for m in messages]
     conversation = preprocess_messages(messages, fmt)  # type: ignore[arg-type]
     for source, out in zip(messages, conversation, strict=True):
         role = out["role"]
@@ -164,13 +186,6 @@ def _invocations(calls: list[Any], block_name: str) -> str:
     for call in calls:
         fn = call["function"]
         args = fn["arguments"]
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError as exc:
-                raise PromptError(str(exc)) from exc
-        if not isinstance(args, dict):
-            raise PromptError("tool-call arguments must decode to an object")
         lines = []
         for key, value in args.items():
             is_str = isinstance(value, str)

@@ -181,6 +181,17 @@ def _parameter(name: str, value: Any) -> str:
     return f'<{DSML}parameter name="{name}" string="false">{_json(value)}</{DSML}parameter>'
 
 
+def _arguments_object(arguments: Any) -> Mapping[str, Any]:
+    """Arguments as vLLM hands them over: JSON text parsed, and anything that is not an
+    object (invalid JSON, a list, a number) an empty object, so the turn still renders."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return {}
+    return arguments if isinstance(arguments, Mapping) else {}
+
+
 def _tool_calls_block(calls: list[Any], block: str) -> str:
     """``\\n\\n<｜DSML｜BLOCK>`` with one invoke per call, each argument a parameter."""
     invokes = []
@@ -188,14 +199,7 @@ def _tool_calls_block(calls: list[Any], block: str) -> str:
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or "name" not in function:
             raise PromptRenderError("a tool call needs a 'function' with a 'name'")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError as exc:
-                raise PromptRenderError(f"tool-call arguments are not JSON: {exc}") from exc
-        if not isinstance(arguments, Mapping):
-            raise PromptRenderError("tool-call arguments must be a JSON object")
+        arguments = _arguments_object(function.get("arguments"))
         parameters = "\n".join(_parameter(_text(key), value) for key, value in arguments.items())
         invokes.append(
             f'<{DSML}invoke name="{_text(function["name"])}">\n{parameters}\n</{DSML}invoke>'
