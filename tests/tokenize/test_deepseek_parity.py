@@ -378,6 +378,12 @@ def test_requests_vllms_encoder_refuses_are_refused(
             counter.count_chat(messages)
         with pytest.raises(PromptError):
             engine.encode_chat(messages)
+    with pytest.raises(PromptRenderError, match="both"):  # vLLM's request model refuses it
+        counter.count_chat(
+            [{"role": "user", "content": "x"}],
+            add_generation_prompt=True,
+            continue_final_message=True,
+        )
     with pytest.raises(PromptRenderError):
         counter.count_chat(
             [{"role": "user", "content": "x"}], None, chat_template_kwargs={"conversation": []}

@@ -605,8 +605,12 @@ class DeepseekPromptCounter(PromptCounter):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt string vLLM would build (the two flags are not the encoder's)."""
-        del add_generation_prompt, continue_final_message
+        """The prompt string vLLM would build (the two flags are not the encoder's, only
+        the request model's check that they are not both set)."""
+        if continue_final_message and add_generation_prompt:
+            raise PromptRenderError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         try:
             return render_deepseek_prompt(self.version, messages, tools, chat_template_kwargs)
         except PromptRenderError:
@@ -624,7 +628,13 @@ class DeepseekPromptCounter(PromptCounter):
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
     ) -> CountPlan:
-        prompt = self.render_chat(messages, tools, chat_template_kwargs=chat_template_kwargs)
+        prompt = self.render_chat(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return self.plan_text(prompt, add_special_tokens=add_special_tokens)
 
 
