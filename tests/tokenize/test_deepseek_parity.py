@@ -162,6 +162,19 @@ def deepseek_cases() -> list[ChatCase]:
             "task",
             [{"role": "user", "content": "classify <｜query｜>", "task": "query"}],
         ),
+        ChatCase(
+            "action task after a developer with its own tools",
+            [
+                {
+                    "role": "developer",
+                    "content": "route it",
+                    "tools": [_tool("get_time", "Time", "zone")],
+                },
+                {"role": "assistant", "content": "routed", "reasoning": "why"},
+                {"role": "latest_reminder", "content": "short"},
+                {"role": "user", "content": "now", "task": "action"},
+            ],
+        ),
     ]
     return cases
 
@@ -316,7 +329,8 @@ def test_hostile_chat_corpus_counts_like_the_engine_and_vllms_encoder(
             differing.append((case.name, ours, theirs, reference))
         counted += isinstance(ours, int)
     assert not differing, "kvgate, engine, vLLM's encoder:\n" + "\n".join(map(str, differing))
-    assert counted >= len(CASES) - 3  # thinking mode refuses a bare trailing assistant turn
+    # Thinking mode refuses a bare trailing assistant turn (V3.2 also an early developer).
+    assert counted >= len(CASES) - 3
     assert {c.family for c in CASES if c.family} == set(SPECIAL_TEXTS) | set(DEEPSEEK_TEXTS)
 
 
@@ -351,13 +365,18 @@ def test_tools_and_thinking_change_the_count_as_vllm_builds_the_prompt(version: 
     assert thinking.endswith("<think>") and chat.endswith("</think>")
 
 
-def test_a_developer_message_before_the_last_user_is_left_out_while_thinking() -> None:
+def test_a_developer_message_before_the_last_user_while_thinking() -> None:
+    """V4 leaves it out; vLLM's V3.2 encoder fails on it (it renders as many messages as it
+    was given over the list without it), so the request fails and is refused here."""
     messages = [
         {"role": "developer", "content": "secret rules"},
         {"role": "user", "content": "hi"},
     ]
-    assert "secret rules" not in render_deepseek_prompt("v32", messages, None, {"thinking": True})
+    assert "secret rules" not in render_deepseek_prompt("v4", messages, None, {"thinking": True})
+    assert "secret rules" in render_deepseek_prompt("v4", messages, None, {"thinking": False})
     assert "secret rules" in render_deepseek_prompt("v32", messages, None, None)
+    with pytest.raises(PromptRenderError, match="developer"):
+        render_deepseek_prompt("v32", messages, None, {"thinking": True})
 
 
 def test_requests_vllms_encoder_refuses_are_refused(

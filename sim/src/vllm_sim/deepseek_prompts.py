@@ -229,7 +229,11 @@ def _forget_old_thoughts(msgs: list[dict[str, Any]], survivors: set[str]) -> lis
 class _V32Prompt:
     def __init__(self, msgs: list[dict[str, Any]], thinking: bool) -> None:
         if thinking and msgs[-1].get("role") == "user":
-            msgs = _forget_old_thoughts(msgs, {"user", "system", "tool"})
+            shorter = _forget_old_thoughts(msgs, {"user", "system", "tool"})
+            if len(shorter) != len(msgs):
+                # vLLM renders indices of the request's length over the shortened list.
+                raise PromptError(f"Index {len(shorter)} out of range for messages list")
+            msgs = shorter
         self.msgs = msgs
         self.thinking = thinking
         self.cutoff = _final_user_position(msgs)

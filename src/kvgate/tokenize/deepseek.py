@@ -236,7 +236,16 @@ def _without_stale_reasoning(
 def encode_v32(messages: list[dict[str, Any]], *, thinking: bool, drop_thinking: bool) -> str:
     """The V3.2 prompt string for a conversation that already holds its tools message."""
     if thinking and drop_thinking:
-        messages = _without_stale_reasoning(messages, frozenset({"user", "system", "tool"}))
+        kept = _without_stale_reasoning(messages, frozenset({"user", "system", "tool"}))
+        if len(kept) < len(messages):
+            # vLLM's V3.2 encoder still renders as many messages as it was given, past the
+            # end of the shortened list: a developer message before the last user turn
+            # fails the request in thinking mode.
+            raise PromptRenderError(
+                "in thinking mode DeepSeek V3.2 fails on a developer message before the last "
+                "user message"
+            )
+        messages = kept
     last_user = _last_user_index(messages)
     return BOS + "".join(
         _v32_message(i, messages, thinking, last_user) for i in range(len(messages))
