@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 import types
 from pathlib import Path
 from typing import Any
@@ -440,3 +441,63 @@ def test_explicit_modes_and_architectures_vllm_does_not_map(tmp_path: Path) -> N
         detect_tokenizer_mode(with_architectures("DeepseekV41ForCausalLM"))
     with pytest.raises(TokenizerLoadError, match="after"):
         detect_tokenizer_mode(with_architectures("LlamaForCausalLM", "DeepseekV32ForCausalLM"))
+
+
+def _random_conversation(rng: random.Random) -> tuple[list[dict[str, Any]], bool]:
+    """Roles in any order, content of every shape, reasoning, calls and results that may
+    not line up: (messages, whether the request declares tools)."""
+    texts = ["hi", "<｜User｜>", "a\nb", "", "<think>", "｜DSML｜x", "ü 中文", "[INST]"]
+    messages = []
+    for _ in range(rng.randint(1, 6)):
+        role = rng.choice(["user", "user", "assistant", "assistant", "tool", "system", "developer"])
+        message: dict[str, Any] = {"role": role}
+        shape = rng.choice(["none", "text", "parts"])
+        if shape == "text":
+            message["content"] = rng.choice(texts)
+        elif shape == "parts":
+            parts = [{"type": "text", "text": rng.choice(texts)} for _ in range(rng.randint(0, 2))]
+            message["content"] = parts
+        else:
+            message["content"] = None
+        if role == "assistant" and rng.random() < 0.5:
+            message["reasoning"] = rng.choice(texts)
+        if role == "assistant" and rng.random() < 0.5:
+            message["tool_calls"] = [
+                _call(f"id{k}", "f", {"a": rng.choice(texts), "n": k})
+                for k in range(rng.randint(1, 2))
+            ]
+        if role == "tool":
+            message["tool_call_id"] = f"id{rng.randint(0, 2)}"
+        if role == "user" and rng.random() < 0.05:
+            message["task"] = rng.choice(["query", "action", "unknown"])
+        messages.append(message)
+    return messages, rng.random() < 0.4
+
+
+def test_random_conversations_count_like_vllms_encoder(
+    counter: CountingApi,
+    engine: DeepseekSimTokenizer,
+    reference_encoders: dict[str, types.ModuleType],
+    model_dir: Path,
+    version: str,
+) -> None:
+    """400 seeded conversations per version: the same count, or refused by all three."""
+    rng = random.Random(20261204)
+    differing = []
+    counted = 0
+    for n in range(400):
+        messages, with_tools = _random_conversation(rng)
+        case = ChatCase(f"random {n}", messages, [_tool("f", "F")] if with_tools else None)
+        kwargs = rng.choice(THINKING_SETTINGS)
+        ours, theirs = _counts(counter, engine, case, kwargs)
+        try:
+            reference: int | str = reference_count(
+                reference_encoders, model_dir, version, case, kwargs
+            )
+        except Exception:  # vLLM's encoders raise plain exceptions: the request fails
+            reference = "refused"
+        if not ours == theirs == reference:
+            differing.append((messages, kwargs, ours, theirs, reference))
+        counted += isinstance(ours, int)
+    assert not differing, "\n".join(map(str, differing[:5]))
+    assert counted > 150
