@@ -51,7 +51,11 @@ def _mutated(path: list, value) -> dict:
         (["tenants", 0, "api_key_sha256"], "sk-kvgate-demo", "tenants.0.api_key_sha256"),
         (["models", 0, "backend"], "nowhere", "models.0.backend: 'nowhere'"),
         (["models", 0, "max_context"], 0, "models.0.max_context"),
-        (["models", 0, "tokenizer"], KeyError, "models.0.tokenizer: Field required"),
+        (
+            ["models", 0, "tokenizer"],
+            KeyError,
+            "models.0: tokenizer: counting: local needs the model's tokenizer",
+        ),
         (["backends", 0, "kv_budget_tokens"], -5, "backends.0.kv_budget_tokens"),
         (["backends", 0, "kv_block_size"], 100_000, "at least one KV block"),
         (["backends", 0, "name"], "bad name!", "backends.0.name"),
