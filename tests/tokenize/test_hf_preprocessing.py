@@ -308,3 +308,19 @@ def test_empty_text_parts_are_dropped_before_joining() -> None:
     assert joined["content"] == "a\nb"
     (wrapped,) = parse_messages([{"role": "user", "content": parts}], "openai")
     assert [p["text"] for p in wrapped["content"]] == ["a", "", "", "b"]
+
+
+def test_openai_text_parts_keep_undeclared_keys() -> None:
+    parts = [
+        {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}, "uuid": "u"},
+        {"type": "input_text", "text": "b"},
+        {"type": "tool_reference", "name": "search", "extra": 1},
+        {"tool_reference": "ignored", "name": "lookup"},  # typeless: the name key counts
+    ]
+    (message,) = parse_messages([{"role": "user", "content": parts}], "openai")
+    assert message["content"] == [
+        {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "b"},
+        {"type": "tool_reference", "name": "search"},
+        {"type": "tool_reference", "name": "lookup"},
+    ]

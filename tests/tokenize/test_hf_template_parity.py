@@ -419,3 +419,30 @@ def test_simulator_refuses_the_generation_prompt_combination_as_vllm_does() -> N
     # Not sent, add_generation_prompt is True by default: the renderer refuses that later.
     chat = validation.parse_chat({**body, "continue_final_message": True})
     assert chat.add_generation_prompt and chat.continue_final_message
+
+
+def test_text_part_extras_reach_a_template_that_prints_whole_parts(
+    vocabularies: dict[str, Vocabulary],
+) -> None:
+    vocabulary = _vocabulary(vocabularies, "qwen2")
+    source = (
+        "{% for m in messages %}{% for p in m.content %}{{ p | tojson }}{% endfor %}{% endfor %}"
+    )
+    case = Case(
+        "part-extras",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
+                    {"type": "input_text", "text": "there", "uuid": "u-1", "x-trace": [1, 2]},
+                ],
+            }
+        ],
+    )
+    ours = _kvgate_count(_kvgate_counter(vocabulary, source), case)
+    assert ours == _engine_count(vocabulary, source, case)
+    plain = Case("plain-parts", [{"role": "user", "content": ["hi", "there"]}])
+    assert isinstance(ours, int) and ours > _kvgate_count(
+        _kvgate_counter(vocabulary, source), plain
+    )

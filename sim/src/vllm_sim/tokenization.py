@@ -240,6 +240,38 @@ def _without_billing_header(parts: list[Any]) -> list[Any]:
     return kept
 
 
+# Keys of vLLM's own content-part types (chat_utils/types.py), beside OpenAI's.
+_VLLM_PART_KEYS = frozenset(
+    {"audio_url", "video_url", "image_pil", "image_url", "uuid", "image_embeds"}
+    | {"audio_embeds", "video_embeds", "data", "thinking", "closed", "name", "type"}
+)
+
+
+@functools.cache
+def _declared_part_keys() -> frozenset[str]:
+    """Every key a content-part type of vLLM's request model declares: what vLLM's
+    ``_collect_extra_fields`` leaves out of a wrapped text part."""
+    import types
+    import typing
+
+    keys: set[str] = set(_VLLM_PART_KEYS)
+    try:
+        from openai.types.chat import (
+            ChatCompletionContentPartParam,
+            ChatCompletionContentPartRefusalParam,
+        )
+    except ImportError:  # the simulator does not need the openai package otherwise
+        return frozenset(keys | {"text", "image_url", "input_audio", "file", "refusal"})
+    pending: list[Any] = [ChatCompletionContentPartParam, ChatCompletionContentPartRefusalParam]
+    while pending:
+        node = pending.pop()
+        if typing.get_origin(node) in (typing.Union, types.UnionType):
+            pending.extend(typing.get_args(node))
+        elif hasattr(node, "__required_keys__"):
+            keys |= node.__required_keys__ | node.__optional_keys__
+    return frozenset(keys)
+
+
 def _part(part: Any, content_format: ContentFormat) -> Any:
     """One content part as vLLM keeps it (None: skipped)."""
     if isinstance(part, str):
@@ -253,7 +285,10 @@ def _part(part: Any, content_format: ContentFormat) -> Any:
             return None
         if not isinstance(text, str):
             raise PromptError(f"Unsupported content part: {part!r}")
-        return {"type": "text", "text": text} if content_format == "openai" else text
+        if content_format != "openai":
+            return text
+        extras = {k: v for k, v in part.items() if k not in _declared_part_keys()}
+        return {"type": "text", "text": text, **extras}
     if kind == "tool_reference" or (kind is None and "tool_reference" in part):
         name = part.get("name")
         return {"type": "tool_reference", "name": name} if content_format == "openai" else name

@@ -34,10 +34,13 @@ Reproduces vLLM 0.34's request preprocessing for Hugging Face templates
   anywhere but first (or several), all system texts are merged into one leading system
   message joined with a blank line (``developer_as_system``).
 
+* An "openai" text part keeps the keys no content-part type declares (``cache_control``…),
+  as vLLM's ``_collect_extra_fields`` does.
+
 Differences: media parts (images, audio, video, files) are rejected, since this gateway
 counts text-only prompts; we do not re-validate every field the way vLLM's pydantic
-models do (e.g. a tool call without ``id`` is accepted here), and extra keys of "openai"
-text parts are not carried into the part dicts vLLM builds (templates print the text).
+models do (e.g. a tool call without ``id`` is accepted here, a tool reference's name must be
+a string).
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def _part_text(part: Any, index: int, where: str) -> tuple[str, str | None]:
                 f"{where}: content part {index} is {media!r}; only text is supported"
             )
         if "tool_reference" in part:
-            return "tool_reference", _require_str(part.get("tool_reference"), index, where)
+            # vLLM reads a typeless tool reference's name from "name", as a typed one.
+            return "tool_reference", _require_str(part.get("name"), index, where)
         raise PromptRenderError(f"{where}: content part {index} has no 'type'")
     if not isinstance(part_type, str):
         raise PromptRenderError(f"{where}: content part {index} has an invalid 'type'")
@@ -99,6 +103,38 @@ def _part_text(part: Any, index: int, where: str) -> tuple[str, str | None]:
     raise PromptRenderError(
         f"{where}: content part type {part_type!r} is not supported; only text is"
     )
+
+
+# Every key of the content-part types vLLM 0.34's request model declares (OpenAI's and its
+# own); a text part's other keys (``cache_control``, ...) stay in its "openai" dict.
+_DECLARED_PART_KEYS = frozenset(
+    {
+        "type",
+        "text",
+        "refusal",
+        "thinking",
+        "closed",
+        "name",
+        "uuid",
+        "data",
+        "file",
+        "image_url",
+        "image_pil",
+        "image_embeds",
+        "audio_url",
+        "audio_embeds",
+        "input_audio",
+        "video_url",
+        "video_embeds",
+        "prompt_cache_breakpoint",
+    }
+)
+
+
+def _extra_fields(part: Any) -> dict[str, Any]:
+    if not isinstance(part, Mapping):
+        return {}
+    return {k: copy.deepcopy(v) for k, v in part.items() if k not in _DECLARED_PART_KEYS}
 
 
 def _require_str(value: Any, index: int, where: str) -> str:
@@ -135,7 +171,7 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
 
 def _parse_content(
     content: Any, fmt: ContentFormat, where: str, role: str
-) -> str | list[dict[str, str]]:
+) -> str | list[dict[str, Any]]:
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
@@ -148,7 +184,7 @@ def _parse_content(
         parts = _strip_billing_header(parts)
 
     if fmt == "openai":
-        wrapped: list[dict[str, str]] = []
+        wrapped: list[dict[str, Any]] = []
         for i, part in enumerate(parts):
             kind, text = _part_text(part, i, where)
             if text is None:
@@ -156,7 +192,7 @@ def _parse_content(
             if kind == "tool_reference":
                 wrapped.append({"type": "tool_reference", "name": text})
             else:
-                wrapped.append({"type": "text", "text": text})
+                wrapped.append({"type": "text", "text": text, **_extra_fields(part)})
         return wrapped
 
     texts = []
