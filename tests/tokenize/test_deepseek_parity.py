@@ -36,6 +36,7 @@ from kvgate.tokenize.deepseek import (
     render_deepseek_prompt,
 )
 from kvgate.tokenize.modes import resolve_tokenizer_mode
+from kvgate.tokenize.request_fields import with_request_fields
 from testbed.engine_models import (
     DEEPSEEK_V32_CONFIG,
     deepseek_v4_model_dir,
@@ -45,7 +46,7 @@ from testbed.engine_models import (
 from tests.tokenize.hostile_corpus import SPECIAL_TEXTS, ChatCase, _call, _tool, chat_cases
 from vllm_sim.deepseek_prompts import DeepseekSimTokenizer, _vllm_conversation
 from vllm_sim.engine_tokenizers import _vllm_tool_dump, pick_tokenizer_mode
-from vllm_sim.tokenization import PromptError
+from vllm_sim.tokenization import ChatMessages, PromptError
 
 # DeepSeek's own control tokens, typed into messages: each is one added token to the engine.
 DEEPSEEK_TEXTS = (
@@ -501,3 +502,26 @@ def test_random_conversations_count_like_vllms_encoder(
         counted += isinstance(ours, int)
     assert not differing, "\n".join(map(str, differing[:5]))
     assert counted > 150
+
+
+@pytest.mark.parametrize("effort", ["none", "low", "high", "max"])
+def test_the_requests_own_reasoning_effort_counts_like_the_engine(
+    counter: CountingApi,
+    engine: DeepseekSimTokenizer,
+    reference_encoders: dict[str, types.ModuleType],
+    model_dir: Path,
+    version: str,
+    effort: str,
+) -> None:
+    """vLLM passes the request's `reasoning_effort` field to the encoder (and derives the
+    thinking switch from it): a count without it would be low on V4 for `max`."""
+    messages = [{"role": "user", "content": "hi"}]
+    ours = counter.count_chat(
+        messages, chat_template_kwargs=with_request_fields(None, reasoning_effort=effort)
+    )
+    turns = ChatMessages(messages)
+    turns.reasoning_effort = effort
+    assert ours == len(engine.encode_chat(turns))
+    options = {"enable_thinking": effort != "none", "reasoning_effort": effort}
+    case = ChatCase("effort", messages)
+    assert ours == reference_count(reference_encoders, model_dir, version, case, options)

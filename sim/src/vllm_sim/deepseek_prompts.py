@@ -484,7 +484,8 @@ class DeepseekSimTokenizer(SimTokenizer):
                 options[key] = value
         if "conversation" in options or "messages" in options:
             raise PromptError("apply_chat_template() got multiple values for a keyword argument")
-        effort_field = kwargs.get("reasoning_effort")
+        # The request's own field: given by name, or riding on the messages (ChatMessages).
+        effort_field = kwargs.get("reasoning_effort", getattr(messages, "reasoning_effort", None))
         if effort_field is not None:
             options.setdefault("enable_thinking", effort_field != "none")
             options["reasoning_effort"] = effort_field

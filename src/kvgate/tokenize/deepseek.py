@@ -20,8 +20,8 @@ What reaches the encoder, as vLLM hands it over:
   on), ``reasoning_effort`` (V4: none/low/high/max and their aliases), V4's
   ``drop_thinking``. vLLM also passes the request's own ``reasoning_effort`` field and
   derives ``enable_thinking`` from it when ``chat_template_kwargs`` leaves that unset
-  (``render_deepseek_prompt(reasoning_effort=...)``); the counting API carries no such
-  field, so a count is for a request without it.
+  (``render_deepseek_prompt(reasoning_effort=...)``); the counting API carries that field
+  on its ``chat_template_kwargs`` (``tokenize.request_fields.ChatTemplateKwargs``).
 
 Neither encoder reads ``add_generation_prompt`` or ``continue_final_message``: a user turn
 always ends in ``<｜Assistant｜>`` and a thinking marker, an assistant turn always in the
@@ -621,7 +621,14 @@ class DeepseekPromptCounter(PromptCounter):
                 "continue_final_message and add_generation_prompt cannot both be true"
             )
         try:
-            return render_deepseek_prompt(self.version, messages, tools, chat_template_kwargs)
+            return render_deepseek_prompt(
+                self.version,
+                messages,
+                tools,
+                chat_template_kwargs,
+                # The request's own field, which the counting API carries on the kwargs.
+                reasoning_effort=getattr(chat_template_kwargs, "reasoning_effort", None),
+            )
         except PromptRenderError:
             raise
         except (KeyError, TypeError, AttributeError, ValueError) as exc:  # malformed parts
