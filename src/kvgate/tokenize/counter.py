@@ -16,6 +16,7 @@ model's tokenizer (``engines``: tiktoken's compiled BPE when it passes its check
 
 from __future__ import annotations
 
+import abc
 import functools
 import hashlib
 import json
@@ -65,7 +66,7 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-class CountingApi:
+class CountingApi(abc.ABC):
     """What every model's counter offers; subclasses say how text and chats are counted.
 
     A count is planned (``plan_*``: rendering, cutting, cache look-ups, cheap enough for the
@@ -82,20 +83,23 @@ class CountingApi:
         return ""
 
     @property
+    @abc.abstractmethod
     def max_token_chars(self) -> int:
         """No token covers more characters of text than this (a bound without tokenizing)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def use_cache(self, cache: SegmentCountCache | None) -> None:
         """Share a segment-count cache (the service's); None counts everything afresh."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def plan_text(self, text: str, *, add_special_tokens: bool, cache: bool = True) -> CountPlan:
-        raise NotImplementedError
+        """How to count `text` (cheap: rendering, cutting, cache look-ups)."""
 
+    @abc.abstractmethod
     def finish(self, plan: CountPlan) -> int:
-        raise NotImplementedError
+        """The count a plan stands for (the tokenizing: on a worker when large)."""
 
+    @abc.abstractmethod
     def plan_chat(
         self,
         messages: list[dict[str, Any]],
@@ -106,7 +110,7 @@ class CountingApi:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
     ) -> CountPlan:
-        raise NotImplementedError
+        """How to count a chat request's prompt as the engine renders it."""
 
     def count_chat(
         self,
