@@ -122,6 +122,17 @@ FIELD_CLASSES: dict[str, str] = {
     "models.*.counting_engine": RELOAD,  # the tokenizer is loaded again before the swap
     "models.*.tokenizer_mode": RELOAD,  # likewise
     "models.*.harmony_system_instructions": RELOAD,  # likewise
+    # likewise (a template file is read again)
+    **{
+        f"models.*.engine_flags.{name}": RELOAD
+        for name in (
+            "default_chat_template_kwargs",
+            "reasoning_effort_map",
+            "chat_template",
+            "chat_template_content_format",
+            "exclude_tools_when_tool_choice_none",
+        )
+    },
     # The model's counter is built again before the swap (its engine's URL, key, bounds).
     "models.*.counting": RELOAD,
     **{
@@ -279,6 +290,7 @@ def _tokenizer_settings(
         return (
             "engine",
             model.engine_counting,
+            model.engine_flags,
             model.cache_generation,
             engine_tokenize_url(model, backend),
             backend.upstream_api_key,
@@ -288,6 +300,7 @@ def _tokenizer_settings(
         model.counting_engine,
         model.tokenizer_mode,
         model.harmony_system_instructions,
+        model.engine_flags,
     )
 
 

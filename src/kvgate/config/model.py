@@ -359,6 +359,27 @@ class EngineCountingConfig(_Strict):
     cache_chats: bool = False
 
 
+# vLLM 0.34's ReasoningEffort: the keys its --reasoning-effort-map accepts.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class EngineFlagsConfig(_Strict):
+    """The options the model's vLLM server was started with that change a chat's prompt
+    (each as vLLM's flag of the same name); kvgate counts with the same values."""
+
+    # --default-chat-template-kwargs: template keywords under the request's own.
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # --reasoning-effort-map: a request's reasoning_effort rewritten before rendering.
+    reasoning_effort_map: dict[ReasoningEffort, str] = Field(default_factory=dict)
+    # --chat-template: a file path, or the template itself when the value holds "{", "}"
+    # or a line break (vLLM's own rule); used in place of the model directory's template.
+    chat_template: str | None = Field(default=None, min_length=1)
+    # --chat-template-content-format: "auto" detects it from the template as vLLM does.
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    # --exclude-tools-when-tool-choice-none: no tools in the prompt for tool_choice "none".
+    exclude_tools_when_tool_choice_none: bool = False
+
+
 class ModelConfig(_Strict):
     name: str
     tokenizer: str | None = Field(
@@ -385,6 +406,8 @@ class ModelConfig(_Strict):
     # gpt-oss only: vLLM runs with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=1 (instructions in
     # the system message, and a system message mid-conversation a whole new one).
     harmony_system_instructions: bool = False
+    # The vLLM server's own options that shape chat prompts, as it was started with them.
+    engine_flags: EngineFlagsConfig = EngineFlagsConfig()
     # Who counts this model's prompts: "local" renders and tokenizes them in kvgate with
     # `tokenizer`; "engine" asks the model's vLLM (/tokenize, `engine_counting`) for every
     # count: exact by construction, for a model whose rendering kvgate cannot reproduce.

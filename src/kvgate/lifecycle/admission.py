@@ -120,6 +120,7 @@ class PromptTokenizers(Protocol):
         tenant: str = "",
         cost: int | None = None,
         response_format: Any = None,
+        tool_choice: Any = None,
     ) -> int: ...
 
     async def count_completion(
@@ -396,6 +397,7 @@ class Admission:
                         tenant=tenant,
                         cost=request.body_bytes or None,
                         response_format=request.body.get("response_format"),
+                        tool_choice=request.body.get("tool_choice"),
                     )
                 ]
             prompts = request.prompts()

@@ -343,9 +343,15 @@ class ChatTemplate:
     """A model's compiled chat template(s) plus the special-token variables it sees."""
 
     def __init__(
-        self, sources: dict[str, str] | str, special_tokens: Mapping[str, str] | None = None
+        self,
+        sources: dict[str, str] | str,
+        special_tokens: Mapping[str, str] | None = None,
+        *,
+        content_format: ContentFormat | Literal["auto"] = "auto",
     ) -> None:
+        """``content_format``: the engine's --chat-template-content-format (auto: detected)."""
         self._env = make_environment()
+        self._given_format = content_format
         named = {"default": sources} if isinstance(sources, str) else dict(sources)
         self._single = isinstance(sources, str)
         self._templates = {name: self._compile(name, src) for name, src in named.items()}
@@ -364,7 +370,11 @@ class ChatTemplate:
             name=name,
             source=source,
             template=template,
-            content_format=detect_content_format(self._env, source),
+            content_format=(
+                detect_content_format(self._env, source)
+                if self._given_format == "auto"
+                else self._given_format
+            ),
             variables=variables,
         )
 

@@ -29,6 +29,7 @@ from typing import Any, Self
 from tokenizers import Tokenizer
 
 from kvgate.tokenize.chat_template import ChatTemplate, load_template_sources
+from kvgate.tokenize.engine_flags import NO_FLAGS, EngineFlags
 from kvgate.tokenize.engines import CountingEngine, ReferenceEngine, choose_engine
 from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
 from kvgate.tokenize.messages import (
@@ -76,6 +77,8 @@ class CountingApi(abc.ABC):
     name: str = ""
     # Why the fastest engine was not taken.
     engine_reason: str = ""
+    # The engine's own server options that shape a chat's prompt (set at load).
+    engine_flags: EngineFlags = NO_FLAGS
 
     @property
     def engine(self) -> str:
@@ -250,23 +253,36 @@ class PromptCounter(CountingApi):
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: Path | str, *, name: str = "", counting_engine: str = "auto"
+        cls,
+        model_dir: Path | str,
+        *,
+        name: str = "",
+        counting_engine: str = "auto",
+        engine_flags: EngineFlags = NO_FLAGS,
     ) -> Self:
+        """``engine_flags``: the engine's --chat-template (in place of the directory's) and
+        --chat-template-content-format apply to the template; the rest to each request."""
         path = Path(model_dir)
         try:
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
             config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-            sources = load_template_sources(path)
+            sources = engine_flags.chat_template or load_template_sources(path)
             specials = {
                 key: text
                 for key in _SPECIAL_TOKEN_NAMES
                 if (text := _token_text(config.get(key))) is not None
             }
-            template = ChatTemplate(sources, specials) if sources is not None else None
+            template = (
+                ChatTemplate(
+                    sources, specials, content_format=engine_flags.chat_template_content_format
+                )
+                if sources is not None
+                else None
+            )
             spec_source = (path / "tokenizer.json").read_bytes()
         except Exception as exc:  # any unreadable file or bad JSON/template is fatal
             raise TokenizerLoadError(str(path), str(exc)) from exc
-        return cls(
+        counter = cls(
             tokenizer,
             config,
             template,
@@ -274,6 +290,8 @@ class PromptCounter(CountingApi):
             counting_engine=counting_engine,
             spec_source=spec_source,
         )
+        counter.engine_flags = engine_flags
+        return counter
 
     # -- special tokens added by encode(add_special_tokens=True) ---------------------------
 

@@ -523,19 +523,21 @@ def shape_tools(tools: Any) -> list[dict[str, Any]] | None:
 def _effective_kwargs(
     chat_template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None
 ) -> dict[str, Any]:
-    """The request's kwargs as vLLM merges them: None and "auto" values mean unset."""
+    """The request's kwargs as vLLM merges them (None and "auto" values mean unset) over
+    the server's --default-chat-template-kwargs."""
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise PromptRenderError("chat_template_kwargs must be an object")
-    kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if v not in (None, "auto")}
+    request = {k: v for k, v in (chat_template_kwargs or {}).items() if v not in (None, "auto")}
+    if reasoning_effort is not None:
+        # The request field wins over the same key, and switches thinking unless the
+        # request's kwargs name enable_thinking themselves (even as null).
+        if "enable_thinking" not in (chat_template_kwargs or {}):
+            request["enable_thinking"] = reasoning_effort != "none"
+        request["reasoning_effort"] = reasoning_effort
+    kwargs = dict(getattr(chat_template_kwargs, "server_defaults", {})) | request
     clash = next((k for k in _RESERVED_KWARGS if k in kwargs), None)
     if clash is not None:
         raise PromptRenderError(f"chat_template_kwargs may not set {clash!r}")
-    if reasoning_effort is not None:
-        # The request field wins over the same key, and switches thinking unless the
-        # request's kwargs set enable_thinking themselves.
-        if "enable_thinking" not in kwargs:
-            kwargs["enable_thinking"] = reasoning_effort != "none"
-        kwargs["reasoning_effort"] = reasoning_effort
     return kwargs
 
 

@@ -34,15 +34,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from kvgate.tokenize.errors import PromptRenderError
+from kvgate.tokenize.engine_flags import NO_FLAGS, EngineFlags, is_inline_template
+from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from kvgate.config.model import BackendConfig, ModelConfig
     from kvgate.tokenize.counter import CountingApi
 
@@ -221,6 +222,9 @@ class EngineCounter:
 
     engine = "engine-tokenize"
     engine_reason = "counted by the engine's /tokenize"
+    # Its defaults and template are the engine's own at /tokenize; kvgate applies the
+    # effort map and the tool exclusion, which /tokenize cannot see.
+    engine_flags: EngineFlags = NO_FLAGS
 
     def __init__(
         self,
@@ -386,9 +390,12 @@ def load_model_counter(
 ) -> CountingApi | EngineCounter:
     """The model's counter as configured: its engine's, or its local tokenizer's (loaded
     now; ``TokenizerLoadError`` when it cannot be)."""
+    flags = engine_flags_of(model)
     if model.counting == "engine":
         # The local tokenizer is not read: the engine's answer is the count.
-        return engine_counter_for(model, backend)
+        engine = engine_counter_for(model, backend)
+        engine.engine_flags = flags
+        return engine
     from kvgate.tokenize.loader import resolve_tokenizer_dir
     from kvgate.tokenize.modes import load_counter
 
@@ -399,6 +406,28 @@ def load_model_counter(
         counting_engine=model.counting_engine,
         tokenizer_mode=model.tokenizer_mode,
         harmony_system_instructions=model.harmony_system_instructions,
+        engine_flags=flags,
+    )
+
+
+def engine_flags_of(model: ModelConfig) -> EngineFlags:
+    """The model's ``engine_flags`` as counting applies them (a template path read now;
+    ``TokenizerLoadError`` when it cannot be)."""
+    settings = model.engine_flags
+    template = settings.chat_template
+    if template is not None and not is_inline_template(template):
+        try:
+            template = Path(template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerLoadError(settings.chat_template or "", str(exc)) from exc
+    return EngineFlags(
+        default_chat_template_kwargs=MappingProxyType(dict(settings.default_chat_template_kwargs)),
+        reasoning_effort_map=MappingProxyType(
+            {str(k): v for k, v in settings.reasoning_effort_map.items()}
+        ),
+        chat_template=template,
+        chat_template_content_format=settings.chat_template_content_format,
+        exclude_tools_when_tool_choice_none=settings.exclude_tools_when_tool_choice_none,
     )
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvgate.tokenize.counter import CountingApi, PromptCounter
+from kvgate.tokenize.engine_flags import NO_FLAGS, EngineFlags
 from kvgate.tokenize.errors import TokenizerLoadError
 from kvgate.tokenize.loader import MISTRAL_WEIGHTS_RECORD
 
@@ -165,28 +166,37 @@ def load_counter(
     counting_engine: str = "auto",
     tokenizer_mode: str = "auto",
     harmony_system_instructions: bool = False,
+    engine_flags: EngineFlags = NO_FLAGS,
 ) -> CountingApi:
     """The counter for ``model_dir`` in the mode vLLM serves it in.
 
     ``harmony_system_instructions``: vLLM runs with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS
-    (gpt-oss instructions in the system message)."""
+    (gpt-oss instructions in the system message). ``engine_flags``: the engine's server
+    options that shape chats (its template and content format only reach the chat-template
+    path; the Mistral, harmony and DeepSeek renderers take no template)."""
     path = Path(model_dir)
     mode = resolve_tokenizer_mode(tokenizer_mode, path)
+    counter: CountingApi
     if mode == "mistral":
         from kvgate.tokenize.mistral import MistralPromptCounter
 
-        return MistralPromptCounter.from_model_dir(path, name=name)
-    if mode in ("deepseek_v32", "deepseek_v4"):
+        counter = MistralPromptCounter.from_model_dir(path, name=name)
+    elif mode in ("deepseek_v32", "deepseek_v4"):
         from kvgate.tokenize.deepseek import DeepseekV4PromptCounter, DeepseekV32PromptCounter
 
         cls = DeepseekV32PromptCounter if mode == "deepseek_v32" else DeepseekV4PromptCounter
-        return cls.from_model_dir(path, name=name, counting_engine=counting_engine)
-    if mode == "harmony":
+        counter = cls.from_model_dir(path, name=name, counting_engine=counting_engine)
+    elif mode == "harmony":
         from kvgate.tokenize.harmony import HarmonyPromptCounter
 
-        counter = HarmonyPromptCounter.from_model_dir(
+        harmony = HarmonyPromptCounter.from_model_dir(
             path, name=name, counting_engine=counting_engine
         )
-        counter.instructions_in_system = harmony_system_instructions
-        return counter
-    return PromptCounter.from_model_dir(path, name=name, counting_engine=counting_engine)
+        harmony.instructions_in_system = harmony_system_instructions
+        counter = harmony
+    else:
+        return PromptCounter.from_model_dir(
+            path, name=name, counting_engine=counting_engine, engine_flags=engine_flags
+        )
+    counter.engine_flags = engine_flags
+    return counter

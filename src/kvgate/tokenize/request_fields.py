@@ -10,8 +10,9 @@ only sees the keywords it reads.
 
 The counting API takes one ``chat_template_kwargs`` argument, so the request's fields ride
 along on it: :class:`ChatTemplateKwargs` is the client's mapping (or an empty one) with the
-request's ``reasoning_effort`` attached and a record of whether the client sent any
-(the Mistral mode refuses ``chat_template_kwargs`` only when the client sent it).
+request's ``reasoning_effort`` attached, a record of whether the client sent any (the
+Mistral mode refuses ``chat_template_kwargs`` only when the client sent it) and the server's
+``--default-chat-template-kwargs`` (``engine_flags``), which go under all of them.
 """
 
 from __future__ import annotations
@@ -28,10 +29,18 @@ _UNSET_VALUES: Final = (None, "auto")
 class ChatTemplateKwargs(dict[str, Any]):
     """The client's ``chat_template_kwargs`` plus the request fields vLLM adds to them."""
 
-    def __init__(self, client: Mapping[str, Any] | None, *, reasoning_effort: str | None):
+    def __init__(
+        self,
+        client: Mapping[str, Any] | None,
+        *,
+        reasoning_effort: str | None,
+        sent_by_client: bool | None = None,
+    ):
         super().__init__(client or {})
-        self.sent_by_client = client is not None
+        self.sent_by_client = client is not None if sent_by_client is None else sent_by_client
         self.reasoning_effort = reasoning_effort
+        # The engine's --default-chat-template-kwargs (request keywords win over them).
+        self.server_defaults: dict[str, Any] = {}
 
 
 def with_request_fields(
@@ -51,14 +60,16 @@ def sent_by_client(kwargs: Mapping[str, Any] | None) -> bool:
 
 
 def engine_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The keywords vLLM hands ``apply_chat_template`` (before keeping those it reads)."""
+    """The keywords vLLM hands ``apply_chat_template`` (before keeping those it reads):
+    the server's defaults, then the request's set values over them."""
     merged = dict(kwargs or {})
     effort = kwargs.reasoning_effort if isinstance(kwargs, ChatTemplateKwargs) else None
     if effort is not None:
         merged["reasoning_effort"] = effort
         if "enable_thinking" not in (kwargs or {}):
             merged["enable_thinking"] = effort != "none"
-    return {k: v for k, v in merged.items() if not _is_unset(v)}
+    defaults = kwargs.server_defaults if isinstance(kwargs, ChatTemplateKwargs) else {}
+    return defaults | {k: v for k, v in merged.items() if not _is_unset(v)}
 
 
 def _is_unset(value: Any) -> bool:

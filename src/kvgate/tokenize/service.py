@@ -532,12 +532,17 @@ class TokenizerService:
         cost: int | None = None,
         bounded: bool = True,
         response_format: Any = None,
+        tool_choice: Any = None,
     ) -> int:
         """Prompt tokens of a chat request. ``response_format`` is the request's, which only
-        a model counted by its engine can take into account (vLLM's renderers read it)."""
+        a model counted by its engine can take into account (vLLM's renderers read it);
+        ``tool_choice`` too, for an engine that leaves tools out when it is "none"."""
         if cost is None:
             cost = approx_cost(messages, tools)
         engine = self._engine_counters.get(model)
+        flags = engine.engine_flags if engine is not None else self.counter(model).engine_flags
+        tools = flags.tools_for(tools, tool_choice)
+        chat_template_kwargs = flags.template_kwargs(chat_template_kwargs)
         if engine is not None:
             call = engine.chat_call(
                 messages,
