@@ -778,11 +778,11 @@ def test_upstream_cut_charges_at_most_the_chunk_in_flight(
     """When the engine writes its first token and dies at once (x-sim-abort-after: 1), Envoy
     may reset the client's stream while kvgate's reply to that chunk is still on its way:
     the client then sees no text although kvgate saw the chunk. ext_proc cannot tell whether
-    Envoy forwarded that last chunk, so the documented rule (README, "What is charged when")
-    is: a cut stream is charged what kvgate saw, which is at most one chunk more than the
-    client received; and once kvgate saw the backend's 2xx headers, the prompt (the engine
-    did the prefill), even if Envoy then answered the client a 502 because the upstream
-    reset before the headers were forwarded.
+    Envoy forwarded that last chunk, so the documented rule (docs/limits-and-billing.md, "What
+    is charged when") is: a cut stream is charged what kvgate saw, which is at most one chunk
+    more than the client received; and once kvgate saw the backend's 2xx headers, the prompt
+    (the engine did the prefill), even if Envoy then answered the client a 502 because the
+    upstream reset before the headers were forwarded.
 
     The race is not under the test's control, so it repeats and checks every try."""
     prompt = counter.count_chat(user("hi"))

@@ -317,7 +317,7 @@ async def test_ledger_equals_what_was_served_token_for_token(ledger_stack: Stack
     wait_idle(stack, "vllm-local")
     wait_idle(stack, "vllm-small")
 
-    # What each simulator served, by the rule documented in the README: finished requests
+    # What each simulator served, by the rule in docs/limits-and-billing.md: finished requests
     # pay prompt + output; cut ones pay prompt + what was streamed when anything was.
     prices = {MODEL: (3_000_000, 15_000_000), SMALL: (100_000, 200_000)}
     expected: dict[str, list[int]] = {}
