@@ -52,7 +52,7 @@ TEMPLATE_BACKEND_CLUSTER = "vllm-local"
 TEMPLATE_POOL_CLUSTER = "vllm-pool"
 
 
-def _bin(name: str) -> str:
+def executable(name: str) -> str:
     """A console script of this venv, else one on PATH; fails loudly when neither exists."""
     candidate = VENV_BIN / name
     if candidate.exists():
@@ -61,6 +61,9 @@ def _bin(name: str) -> str:
     if found is None:
         raise FileNotFoundError(f"{name}: not in {VENV_BIN} nor on PATH")
     return found
+
+
+_bin = executable  # the name tests/ import
 
 
 def free_port() -> int:
@@ -201,6 +204,50 @@ def validate_envoy_config(path: Path, timeout: float = 60.0) -> subprocess.Compl
         timeout=timeout,
         check=False,
     )
+
+
+def envoy_argv(
+    config: Path,
+    *,
+    log_level: str = "warning",
+    quick_shutdown: bool = True,
+    access_log_flush_ms: int | None = 100,
+) -> list[str]:
+    """An Envoy command line: one worker thread, no hot restart (each Envoy independent: no
+    shared memory, no base-id clashes). `quick_shutdown`: drain 1 s, parent shutdown 2 s;
+    `access_log_flush_ms`: how often access-log lines reach their file (Envoy's default,
+    None, is 10 s)."""
+    argv = [
+        _bin("envoy"),
+        "-c",
+        str(config),
+        "--disable-hot-restart",
+        "--concurrency",
+        "1",
+        "-l",
+        log_level,
+    ]
+    if quick_shutdown:
+        argv += ["--drain-time-s", "1", "--parent-shutdown-time-s", "2"]
+    if access_log_flush_ms is not None:
+        argv += ["--file-flush-interval-msec", str(access_log_flush_ms)]
+    return argv
+
+
+def extproc_health(admin_url: str, timeout: float = 2.0) -> dict[str, str]:
+    """Envoy's health flags of each endpoint of the ext_proc cluster ("127.0.0.1:PORT" ->
+    "healthy" or e.g. "/failed_active_hc"), from its admin `/clusters` page; OSError when the
+    admin port does not answer."""
+    with urllib.request.urlopen(f"{admin_url}/clusters", timeout=timeout) as resp:
+        text = resp.read().decode()
+    flags: dict[str, str] = {}
+    prefix = f"{EXTPROC_CLUSTER}::"
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            endpoint, sep, value = line[len(prefix) :].partition("::health_flags::")
+            if sep:
+                flags[endpoint] = value
+    return flags
 
 
 # --------------------------------------------------------------------------- processes
@@ -432,6 +479,7 @@ class SimOptions:
     max_num_seqs: int | None = None
     default_output_tokens: int | None = None
     force_include_usage: bool = False
+    log_level: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def argv(self) -> list[str]:
@@ -442,6 +490,7 @@ class SimOptions:
             "--max-model-len": self.max_model_len,
             "--max-num-seqs": self.max_num_seqs,
             "--default-output-tokens": self.default_output_tokens,
+            "--log-level": self.log_level,
         }
         for flag, value in optional.items():
             if value is not None:
@@ -449,6 +498,27 @@ class SimOptions:
         if self.force_include_usage:
             args.append("--force-include-usage")
         return args + list(self.extra_args)
+
+
+def sim_argv(
+    port: int, options: SimOptions, *, model_dir: Path | str, served_model_name: str
+) -> list[str]:
+    """The simulator's command line: one model on 127.0.0.1:`port`."""
+    return [
+        _bin("vllm-sim"),
+        "--model-dir",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--port",
+        str(port),
+        *options.argv(),
+    ]
+
+
+def kvgate_argv(config: Path, *extra_args: str) -> list[str]:
+    """`kvgate serve --config <config>` with this interpreter, then `extra_args`."""
+    return [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config), *extra_args]
 
 
 def default_tenants() -> list[dict[str, Any]]:
@@ -674,46 +744,19 @@ class Stack:
         opts = self.sim_options[sim_name]
         backend = sim_name.split("#", 1)[0]
         served = [m for m in self.models if m["backend"] == backend] or self.models[:1]
-        return [
-            _bin("vllm-sim"),
-            "--model-dir",
-            str(served[0]["tokenizer"]),
-            "--served-model-name",
-            str(served[0]["name"]),
-            "--port",
-            str(self.sim_ports[sim_name]),
-            *opts.argv(),
-        ]
+        return sim_argv(
+            self.sim_ports[sim_name],
+            opts,
+            model_dir=str(served[0]["tokenizer"]),
+            served_model_name=str(served[0]["name"]),
+        )
 
     def _kvgate_argv(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "kvgate.cli",
-            "serve",
-            "--config",
-            str(self.kvgate_config_path),
-        ]
+        return kvgate_argv(self.kvgate_config_path)
 
     def _envoy_argv(self) -> list[str]:
-        return [
-            _bin("envoy"),
-            "-c",
-            str(self.envoy_config_path),
-            # Each test Envoy is independent: no shared memory, no base-id clashes.
-            "--disable-hot-restart",
-            "--concurrency",
-            "1",
-            "-l",
-            self.envoy_log_level,
-            "--drain-time-s",
-            "1",
-            "--parent-shutdown-time-s",
-            "2",
-            # Access log lines reach the log file within 0.1 s (default: 10 s).
-            "--file-flush-interval-msec",
-            "100",
-        ]
+        # Access log lines reach the log file within 0.1 s (default: 10 s).
+        return envoy_argv(self.envoy_config_path, log_level=self.envoy_log_level)
 
     def processes(self) -> list[ManagedProcess]:
         procs = list(self.sims.values())
@@ -787,15 +830,10 @@ class Stack:
     def extproc_health_flags(self) -> str:
         """'healthy', or Envoy's health flags for the kvgate endpoint (e.g. '/failed_active_hc')."""
         try:
-            with urllib.request.urlopen(f"{self.envoy_admin_url}/clusters", timeout=2) as resp:
-                text = resp.read().decode()
+            flags = extproc_health(self.envoy_admin_url)
         except OSError as exc:
             return f"admin unreachable: {exc!r}"
-        prefix = f"{EXTPROC_CLUSTER}::127.0.0.1:{self.grpc_port}::health_flags::"
-        for line in text.splitlines():
-            if line.startswith(prefix):
-                return line[len(prefix) :]
-        return "unknown"
+        return flags.get(self.kvgate_grpc_address, "unknown")
 
     def kill_kvgate(self) -> None:
         """SIGKILL kvgate (no drain, no settlement): a crash."""

@@ -26,13 +26,15 @@ from typing import Any, Self
 import redis
 import yaml
 
+from testbed.envoy_variants import add_extproc_endpoints
 from testbed.harness import (
-    EXTPROC_CLUSTER,
     ManagedProcess,
     MetricSamples,
     ProcessError,
     Stack,
+    extproc_health,
     free_port,
+    kvgate_argv,
 )
 
 REDIS_SERVER = "/usr/bin/redis-server"
@@ -285,25 +287,11 @@ class RedisStack(Stack):
             yaml.safe_dump(self.kvgate2_config(), sort_keys=False), encoding="utf-8"
         )
         # The second replica joins the ext_proc cluster.
-        envoy = yaml.safe_load(self.envoy_config_path.read_text(encoding="utf-8"))
-        for cluster in envoy["static_resources"]["clusters"]:
-            if cluster["name"] == EXTPROC_CLUSTER:
-                endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
-                second = copy.deepcopy(endpoints[0])
-                second["endpoint"]["address"]["socket_address"]["port_value"] = self.grpc_port2
-                endpoints.append(second)
-        self.envoy_config_path.write_text(yaml.safe_dump(envoy, sort_keys=False), encoding="utf-8")
+        add_extproc_endpoints(self.envoy_config_path, [self.grpc_port2])
 
     # processes --------------------------------------------------------------
     def _kvgate2_argv(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "kvgate.cli",
-            "serve",
-            "--config",
-            str(self.kvgate2_config_path),
-        ]
+        return kvgate_argv(self.kvgate2_config_path)
 
     def processes(self) -> list[ManagedProcess]:
         procs = super().processes()
@@ -344,13 +332,7 @@ class RedisStack(Stack):
             time.sleep(0.1)
 
     def endpoint_health(self, port: int) -> str:
-        with urllib.request.urlopen(f"{self.envoy_admin_url}/clusters", timeout=2) as resp:
-            text = resp.read().decode()
-        prefix = f"{EXTPROC_CLUSTER}::127.0.0.1:{port}::health_flags::"
-        for line in text.splitlines():
-            if line.startswith(prefix):
-                return line[len(prefix) :]
-        return "unknown"
+        return extproc_health(self.envoy_admin_url).get(f"127.0.0.1:{port}", "unknown")
 
     def kill_kvgate2(self) -> None:
         assert self.kvgate2 is not None

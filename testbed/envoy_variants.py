@@ -1,0 +1,114 @@
+"""Variants of an Envoy bootstrap rendered by `testbed.harness.render_envoy_config`.
+
+Each function edits the rendered file in place and returns its path:
+
+- `strip_extproc`: plain Envoy, every ext_proc filter and the ext_proc cluster removed;
+- `route_all_to`: the routing guard replaced by one catch-all route to a cluster (the shipped
+  configs send a request upstream only on kvgate's routing header, which an Envoy without
+  kvgate, or with an ext_proc server that decides nothing, never gets);
+- `add_extproc_endpoints`: more endpoints in the ext_proc cluster (several ext_proc processes
+  behind one Envoy);
+- `round_robin_clusters`: STATIC clusters with several endpoints, ROUND_ROBIN (the way to
+  serve one backend from several replicas without kvgate picking).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from testbed.harness import EXTPROC_CLUSTER
+
+EXTPROC_FILTER_TYPE = "ext_proc.v3.ExternalProcessor"
+
+
+def _edit(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    change(config)
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _connection_managers(config: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", []):
+            for net_filter in chain.get("filters", []):
+                yield net_filter.get("typed_config", {})
+
+
+def _endpoint(port: int) -> dict[str, Any]:
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+    return {"endpoint": {"address": address}}
+
+
+def strip_extproc(path: Path) -> Path:
+    """No ext_proc: the HTTP filters of that type and the ext_proc cluster go."""
+
+    def change(config: dict[str, Any]) -> None:
+        for hcm in _connection_managers(config):
+            if "http_filters" in hcm:
+                hcm["http_filters"] = [
+                    f
+                    for f in hcm["http_filters"]
+                    if EXTPROC_FILTER_TYPE not in f.get("typed_config", {}).get("@type", "")
+                ]
+        clusters = config["static_resources"]["clusters"]
+        config["static_resources"]["clusters"] = [
+            c for c in clusters if c["name"] != EXTPROC_CLUSTER
+        ]
+
+    return _edit(path, change)
+
+
+def route_all_to(path: Path, cluster: str) -> Path:
+    """Every virtual host: one route, any path to `cluster` (no timeout, 1 h idle)."""
+
+    def change(config: dict[str, Any]) -> None:
+        for hcm in _connection_managers(config):
+            route_config = hcm.get("route_config")
+            if route_config is None:
+                continue
+            for host in route_config["virtual_hosts"]:
+                host["routes"] = [
+                    {
+                        "match": {"prefix": "/"},
+                        "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": "3600s"},
+                    }
+                ]
+
+    return _edit(path, change)
+
+
+def add_extproc_endpoints(path: Path, ports: Sequence[int]) -> Path:
+    """The ext_proc cluster gets one more endpoint per port (a copy of its first one)."""
+
+    def change(config: dict[str, Any]) -> None:
+        for cluster in config["static_resources"]["clusters"]:
+            if cluster["name"] == EXTPROC_CLUSTER:
+                endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                for port in ports:
+                    endpoint = copy.deepcopy(endpoints[0])
+                    endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
+                    endpoints.append(endpoint)
+
+    return _edit(path, change)
+
+
+def round_robin_clusters(path: Path, clusters: Mapping[str, Sequence[int]]) -> Path:
+    """Each named cluster: endpoints 127.0.0.1 at the given ports, lb_policy ROUND_ROBIN."""
+
+    def change(config: dict[str, Any]) -> None:
+        for cluster in config["static_resources"]["clusters"]:
+            ports = clusters.get(cluster["name"])
+            if ports is None:
+                continue
+            cluster["lb_policy"] = "ROUND_ROBIN"
+            cluster["load_assignment"]["endpoints"] = [
+                {"lb_endpoints": [_endpoint(port) for port in ports]}
+            ]
+
+    return _edit(path, change)
