@@ -82,19 +82,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.interleaved import read_answer, rotated, threads_cpu_seconds
+from bench.cpu import threads_cpu_seconds
+from bench.interleaved import read_answer, rotated
 from bench.loadgen import _StreamClock
 from bench.prompts import prompt_text
-from bench.stack import (
-    MODEL,
-    REPO_ROOT,
-    TENANT_RPM,
-    TENANT_TPM,
-    Arm,
-    BenchStack,
-    SimSettings,
-    git_output,
-)
+from bench.provenance import git_output
+from bench.stack import MODEL, REPO_ROOT, TENANT_RPM, TENANT_TPM, Arm, BenchStack, SimSettings
 from bench.stats import percentile
 from kvgate.lifecycle.semantic_cache import MAX_CANDIDATES
 from testbed.harness import MetricSamples, sha256_hex
@@ -168,8 +161,8 @@ class CacheStack(BenchStack):
     """bench/stack.py's stack with kvgate's response cache (and Idempotency-Key) on, and the
     semantic cache on for one more tenant only."""
 
-    def kvgate_config(self, name: str, store: str, *, key_prefix: str = "") -> dict[str, Any]:
-        config = super().kvgate_config(name, store, key_prefix=key_prefix)
+    def kvgate_config(self, store: str, *, key_prefix: str = "") -> dict[str, Any]:
+        config = super().kvgate_config(store, key_prefix=key_prefix)
         config["response_cache"] = {"enabled": True}
         config["idempotency"] = {"enabled": True}
         config["semantic_cache"] = {"enabled": True}
@@ -317,7 +310,7 @@ class Runner:
         }
 
     async def sim_requests(self) -> int:
-        url = f"http://127.0.0.1:{self.stack.sim_port}/sim/stats"
+        url = f"{self.stack.sim.url}/sim/stats"
         async with self.sessions["sim"].get(url) as resp:
             return int((await resp.json())["generation_requests_total"])
 

@@ -24,10 +24,8 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -35,7 +33,7 @@ import aiohttp
 from kvgate.tokenize import PromptCounter, TokenizerService
 from kvgate.tokenize.engine_counting import EngineCounter, EngineEndpoint
 from testbed.demo_model import DEMO_MODEL_NAME, demo_model_dir
-from testbed.harness import free_port
+from testbed.rig import Rig
 
 TOOL = {
     "type": "function",
@@ -48,31 +46,6 @@ TOOL = {
 JSON = {"Content-Type": "application/json"}
 SIZES = {"short": 8, "~1k tokens": 140, "~8k tokens": 1100}
 SENTENCE = "the river runs past the old mill "
-
-
-def _start_sim(port: int) -> subprocess.Popen[bytes]:
-    sim = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("vllm-sim")),
-            "--model-dir",
-            str(demo_model_dir()),
-            "--served-model-name",
-            DEMO_MODEL_NAME,
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return sim
-        except OSError:
-            time.sleep(0.2)
-    sim.kill()
-    raise RuntimeError("the simulator did not come up")
 
 
 def _quantiles(samples: list[float]) -> tuple[float, float]:
@@ -124,13 +97,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", type=int, default=200)
     args = parser.parse_args()
-    port = free_port()
-    sim = _start_sim(port)
-    try:
-        rows = asyncio.run(_run(f"http://127.0.0.1:{port}/tokenize", args.counts))
-    finally:
-        sim.terminate()
-        sim.wait(10)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvgate-engine-counting-") as work,
+        Rig(Path(work), model_dir=demo_model_dir()) as rig,
+    ):
+        sim = rig.sim("tokenize", served_model_name=DEMO_MODEL_NAME)
+        sim.wait_ready(60)
+        rows = asyncio.run(_run(f"{sim.url}/tokenize", args.counts))
     print(f"| chat | arm | median ms | p99 ms |  ({args.counts} counts each)")
     print("|---|---|---|---|")
     for size, arm, median, p99 in rows:

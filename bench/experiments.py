@@ -30,6 +30,7 @@ import resource
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -37,19 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import prompts, wrk
+from bench.cpu import machine_busy_seconds, tree_cpu_seconds
 from bench.loadgen import Job
-from bench.stack import (
-    API_KEY,
-    LIMITED_KEY,
-    MODEL,
-    SHORT_KEY,
-    Arm,
-    BenchStack,
-    SimSettings,
-    http_post_json,
-    machine_busy_seconds,
-    tree_cpu_seconds,
-)
+from bench.stack import API_KEY, LIMITED_KEY, MODEL, SHORT_KEY, Arm, BenchStack, SimSettings
 from bench.stats import Spread, summarize
 
 REFERENCE = "envoy"  # "added" latency is over plain Envoy
@@ -189,6 +180,19 @@ def rotated(items: list[str], k: int) -> list[str]:
         return items
     k %= len(items)
     return items[k:] + items[:k]
+
+
+def http_post_json(
+    url: str, body: dict[str, Any], headers: dict[str, str], timeout: float = 60.0
+) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read().decode() or "null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
 
 
 def kvgate_decisions(url: str | None) -> dict[str, tuple[float, float]]:

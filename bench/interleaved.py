@@ -67,17 +67,11 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.cpu import process_cpu_seconds, threads_cpu_seconds
 from bench.loadgen import _StreamClock
 from bench.prompts import prompt_text
-from bench.stack import (
-    MODEL,
-    REPO_ROOT,
-    Arm,
-    BenchStack,
-    SimSettings,
-    git_output,
-    process_cpu_seconds,
-)
+from bench.provenance import git_output
+from bench.stack import MODEL, REPO_ROOT, Arm, BenchStack, SimSettings
 from bench.stats import percentile
 from vllm_sim.tokenization import SINGLE_TOKEN_WORDS
 
@@ -107,24 +101,6 @@ TARGET_STREAM_GAP_P99_MS = 0.5
 
 
 # --------------------------------------------------------------------------- CPU
-
-
-def threads_cpu_seconds(pid: int) -> float:
-    """Run time of all live threads of `pid` from schedstat (ns), in seconds; 0 if gone.
-
-    /proc/<pid>/stat counts whole clock ticks (10 ms), coarser than one request's work."""
-    total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as fh:
-                total += int(fh.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended between listdir and open
-    return total / 1e9
 
 
 def gateway_role(arm: Arm) -> str | None:

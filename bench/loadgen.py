@@ -16,7 +16,7 @@ event (tokens that arrive in one TCP read share its timestamp, as a client would
 
 It runs in its own process (`python -m bench.loadgen --serve`), reading one JSON job per
 stdin line and answering with one JSON line per job, so its CPU is separate from the
-orchestrator's and can be measured (bench/stack.py reads /proc for it).
+orchestrator's and can be measured (bench/cpu.py reads /proc for it).
 
 Every run is bounded: `duration_s` of arrivals, at most `max_requests`, and `timeout_s` per
 request; requests still running `drain_s` after the last arrival are cancelled and counted

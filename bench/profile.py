@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import TracebackType
 
-from bench.stack import VENV_BIN
+from testbed.harness import executable
 
 
 def py_spy_binary() -> str | None:
-    candidate = VENV_BIN / "py-spy"
-    if candidate.exists():
-        return str(candidate)
-    return shutil.which("py-spy")
+    try:
+        return executable("py-spy")
+    except FileNotFoundError:
+        return None
 
 
 class PySpy:

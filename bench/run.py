@@ -32,6 +32,7 @@ from typing import Any
 
 from bench import report
 from bench.experiments import FULL, QUICK, Bench
+from bench.provenance import cpu_model
 from bench.stack import ARM_ORDER, LITELLM_VENV, REPO_ROOT, BenchStack, ensure_litellm
 
 PHASES = ("baseline", "peak", "load", "sustain", "reject", "sizes", "profile", "stream")
@@ -49,14 +50,6 @@ def _version(argv: list[str]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     envoy = REPO_ROOT / ".venv" / "bin" / "envoy"
     dirty = _version(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "src", "envoy"])
     return {
@@ -64,7 +57,7 @@ def machine_info() -> dict[str, Any]:
         "git_commit": _version(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"]),
         "src_uncommitted_changes": dirty not in ("", "?"),
         "cpus": os.cpu_count(),
-        "cpu_model": cpu,
+        "cpu_model": cpu_model() or "?",
         "kernel": platform.release(),
         "python": platform.python_version(),
         "envoy": _version([str(envoy), "--version"]),

@@ -12,10 +12,12 @@ Every arm talks to the same vLLM simulator process:
 | kvgate-split   | Envoy (envoy-observability.yaml) -> kvgate (the memory one); -> sim |
 | litellm        | client -> LiteLLM proxy (own venv, custom-auth keys) -> sim       |
 
-All listen on 127.0.0.1 on free ports. Processes come from testbed/harness.py
-(ManagedProcess, render_envoy_config): logs in `<work_dir>/logs`, SIGTERM then SIGKILL on
-stop. Everything is started once; arms take turns, so an idle arm costs only its health
-checks. Envoy runs with `--concurrency 1` in every arm.
+All listen on 127.0.0.1 on free ports. The processes are testbed/rig.py's (the simulator,
+kvgate, Envoy and the no-op ext_proc server of testbed/noop_extproc.py; Envoy configs from
+testbed/envoy_variants.py): logs in `<work_dir>/logs`, SIGTERM then SIGKILL on stop. This
+module chooses them per arm, adds LiteLLM and the shared Redis, and says which processes'
+CPU each arm adds. Everything is started once; arms take turns, so an idle arm costs only
+its health checks. Envoy runs with `--concurrency 1` in every arm.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,17 +36,17 @@ from typing import Any
 
 import yaml
 
+from bench.cpu import tree_cpu_seconds, wait_machine_quiet
 from testbed.harness import (
     ENVOY_CONFIG,
     REPO_ROOT,
     ManagedProcess,
     ProcessError,
-    free_port,
-    render_envoy_config,
+    SimOptions,
     sha256_hex,
 )
+from testbed.rig import EnvoyProcess, KvgateProcess, Rig, SimProcess
 
-VENV_BIN = REPO_ROOT / ".venv" / "bin"
 OBSERVABILITY_CONFIG = REPO_ROOT / "envoy" / "envoy-observability.yaml"
 LITELLM_VENV = REPO_ROOT / "var" / "bench" / "litellm-venv"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -82,66 +82,38 @@ ARM_ORDER = (
     "kvgate-split",
     "litellm",
 )
-
+REDIS_ARMS = ("kvgate-redis", "kvgate-redis-2")
 
 # The two kvgate processes of the kvgate-redis-2 arm.
 PAIR = ("kvgate-redis-a", "kvgate-redis-b")
-EXTPROC_CLUSTER = "kvgate_extproc"
-
-
-def wait_extproc_healthy(admin_port: int, name: str, timeout: float = 30.0) -> None:
-    """Until the Envoy behind `admin_port` sees its ext_proc cluster healthy (its first
-    requests would otherwise fail open or closed, not be measured)."""
-    url = f"http://127.0.0.1:{admin_port}/clusters"
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                text = resp.read().decode()
-            if any(
-                line.startswith("kvgate_extproc::") and line.endswith("health_flags::healthy")
-                for line in text.splitlines()
-            ):
-                return
-        if time.monotonic() > deadline:
-            raise ProcessError(f"{name}: ext_proc cluster not healthy after {timeout}s")
-        time.sleep(0.2)
-
-
-def git_output(*argv: str) -> str:
-    """`git -C <repo> argv...`'s output, stripped ("?" when git cannot run): the results
-    name the commit they measured."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), *argv], capture_output=True, text=True, timeout=20
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    return out.stdout.strip()
-
-
-def envoy_argv(config: Path, *extra: str) -> list[str]:
-    """A benchmark Envoy: one worker, no hot restart, warnings only."""
-    return [
-        _bin("envoy"),
-        "-c",
-        str(config),
-        "--disable-hot-restart",
-        "--concurrency",
-        "1",
-        "-l",
-        "warning",
-        *extra,
-    ]
+# arm -> the kvgate processes behind its Envoy (kvgate-split shares kvgate's process).
+KVGATES_OF_ARM = {
+    "kvgate": ("kvgate-memory",),
+    "kvgate-split": ("kvgate-memory",),
+    "kvgate-redis": ("kvgate-redis",),
+    "kvgate-redis-2": PAIR,
+}
 
 
 @dataclass
 class SimSettings:
+    """The simulator's latencies (the rest of its settings is the same in every run)."""
+
     ttft_ms: float = 0.0
     itl_ms: float = 0.0
 
-    def argv(self) -> list[str]:
-        return ["--ttft-ms", str(self.ttft_ms), "--itl-ms", str(self.itl_ms)]
+    def options(self) -> SimOptions:
+        return SimOptions(
+            max_model_len=MAX_CONTEXT,
+            num_gpu_blocks=4_000_000,
+            block_size=16,
+            max_num_seqs=100_000,
+            # The body's max_tokens decides the output length (finish_reason "length").
+            default_output_tokens=1_000_000,
+            log_level="warning",
+            ttft_ms=self.ttft_ms,
+            itl_ms=self.itl_ms,
+        )
 
 
 @dataclass
@@ -162,151 +134,6 @@ class Arm:
             "content-type": "application/json",
             "authorization": f"Bearer {api_key or self.api_key}",
         }
-
-
-# --------------------------------------------------------------------------- CPU accounting
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may contain spaces.
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (all its threads), in seconds; 0 if it is gone."""
-    fields = _stat_fields(pid)
-    if fields is None:
-        return 0.0
-    # After the name: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14)
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(int(entry.name))
-        if fields is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def machine_busy_seconds() -> float:
-    """Busy CPU time of the whole machine (all cores) from /proc/stat, in seconds."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-    idle = values[3] + values[4]
-    return (sum(values) - idle) / _CLK_TCK
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU of a process and its live descendants (LiteLLM's workers, a shell's child)."""
-    return sum(process_cpu_seconds(p) for p in [pid, *descendants(pid)])
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _bin(name: str) -> str:
-    candidate = VENV_BIN / name
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(f"{name}: not in {VENV_BIN} nor on PATH")
-    return found
-
-
-def http_get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read().decode())
-
-
-def http_post_json(
-    url: str, body: dict[str, Any], headers: dict[str, str], timeout: float = 60.0
-) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers=headers, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read().decode() or "null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def envoy_without_extproc(src: Path, dst: Path) -> Path:
-    """A rendered Envoy config with every ext_proc filter and the kvgate cluster removed."""
-    config = yaml.safe_load(src.read_text(encoding="utf-8"))
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener.get("filter_chains", []):
-            for net_filter in chain.get("filters", []):
-                hcm = net_filter.get("typed_config", {})
-                if "http_filters" in hcm:
-                    hcm["http_filters"] = [
-                        f
-                        for f in hcm["http_filters"]
-                        if "ext_proc.v3.ExternalProcessor"
-                        not in f.get("typed_config", {}).get("@type", "")
-                    ]
-    config["static_resources"]["clusters"] = [
-        c for c in config["static_resources"]["clusters"] if c["name"] != "kvgate_extproc"
-    ]
-    dst.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    return dst
-
-
-def add_extproc_endpoints(path: Path, ports: tuple[int, ...]) -> Path:
-    """More endpoints in the ext_proc cluster (several kvgate processes behind one Envoy)."""
-    config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    for cluster in config["static_resources"]["clusters"]:
-        if cluster["name"] == EXTPROC_CLUSTER:
-            endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
-            template = endpoints[0]
-            for port in ports:
-                endpoint = yaml.safe_load(yaml.safe_dump(template))
-                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
-                endpoints.append(endpoint)
-    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    return path
-
-
-def envoy_unguarded(path: Path) -> Path:
-    """The same rendered config with the routing guard replaced by one route to the backend.
-
-    The shipped configs send a request upstream only on kvgate's routing header; the arms
-    without kvgate (plain Envoy, the no-op ext_proc) never set it, so without this they
-    would measure Envoy's local `not_admitted` reply instead of a proxied request."""
-    config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener.get("filter_chains", []):
-            for net_filter in chain.get("filters", []):
-                route_config = net_filter.get("typed_config", {}).get("route_config")
-                if route_config is None:
-                    continue
-                for host in route_config["virtual_hosts"]:
-                    host["routes"] = [
-                        {
-                            "match": {"prefix": "/"},
-                            "route": {"cluster": BACKEND, "timeout": "0s", "idle_timeout": "3600s"},
-                        }
-                    ]
-    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    return path
 
 
 def redis_available(url: str) -> str | None:
@@ -342,39 +169,26 @@ class BenchStack:
         kvgate_args: tuple[str, ...] = (),
     ) -> None:
         self.work_dir = work_dir
-        self.log_dir = work_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.rig = Rig(work_dir, model_dir=model_dir)
+        self.log_dir = self.rig.log_dir
+        self.model_dir = self.rig.model_dir
         self.wanted = arms
         self.redis_url = redis_url
         self.redis_prefix = f"kvbench-{os.getpid()}"
         self.litellm_venv = litellm_venv
         self.sim_settings = sim or SimSettings()
-        self.model_dir = model_dir or _demo_model_dir()
         self.kvgate_args = kvgate_args  # extra `kvgate serve` arguments (e.g. --log-level)
-        self.sim_port = free_port()
-        self.procs: dict[str, ManagedProcess] = {}
+        self._sim: SimProcess | None = None
+        self.kvgates: dict[str, KvgateProcess] = {}
+        self.envoys: dict[str, EnvoyProcess] = {}
         self.arms: dict[str, Arm] = {}
         self.skipped: dict[str, str] = {}
-        self._ports: dict[str, int] = {}
 
     # ------------------------------------------------------------------ configs
 
-    def _port(self, name: str) -> int:
-        if name not in self._ports:
-            taken = {*self._ports.values(), self.sim_port}
-            port = free_port()
-            while port in taken:  # free_port() can hand out the same free port twice
-                port = free_port()
-            self._ports[name] = port
-        return self._ports[name]
-
-    def kvgate_config(self, name: str, store: str, *, key_prefix: str = "") -> dict[str, Any]:
+    def kvgate_config(self, store: str, *, key_prefix: str = "") -> dict[str, Any]:
+        """kvgate's config (the rig adds the listen addresses)."""
         config: dict[str, Any] = {
-            "server": {
-                "grpc_listen": f"127.0.0.1:{self._port(f'{name}:grpc')}",
-                "http_listen": f"127.0.0.1:{self._port(f'{name}:http')}",
-                "admin_listen": f"127.0.0.1:{self._port(f'{name}:admin')}",
-            },
             "store": store,
             "tenants": [
                 {
@@ -417,58 +231,6 @@ class BenchStack:
             config["redis"] = {"key_prefix": key_prefix or self.redis_prefix}
         return config
 
-    def _envoy(
-        self,
-        name: str,
-        src: Path,
-        extproc_port: int | None,
-        more_extproc_ports: tuple[int, ...] = (),
-    ) -> ManagedProcess:
-        listen, admin = self._port(f"envoy-{name}:listen"), self._port(f"envoy-{name}:admin")
-        dst = self.work_dir / f"envoy-{name}.yaml"
-        render_envoy_config(
-            src,
-            dst,
-            listen_port=listen,
-            admin_port=admin,
-            extproc_port=extproc_port or self._port(f"envoy-{name}:unused"),
-            backends={BACKEND: self.sim_port},
-        )
-        if extproc_port is None:
-            envoy_without_extproc(dst, dst)
-        if more_extproc_ports:
-            add_extproc_endpoints(dst, more_extproc_ports)
-        if name in ("envoy", "noop"):
-            envoy_unguarded(dst)
-        proc = ManagedProcess(f"envoy-{name}", envoy_argv(dst), log_dir=self.log_dir)
-        self.procs[f"envoy-{name}"] = proc
-        return proc
-
-    def _sim_argv(self) -> list[str]:
-        return [
-            _bin("vllm-sim"),
-            "--model-dir",
-            str(self.model_dir),
-            "--served-model-name",
-            MODEL,
-            "--port",
-            str(self.sim_port),
-            "--max-model-len",
-            str(MAX_CONTEXT),
-            "--num-gpu-blocks",
-            "4000000",
-            "--block-size",
-            "16",
-            "--max-num-seqs",
-            "100000",
-            # The body's max_tokens decides the output length (finish_reason "length").
-            "--default-output-tokens",
-            "1000000",
-            "--log-level",
-            "warning",
-            *self.sim_settings.argv(),
-        ]
-
     def _litellm_config(self) -> Path:
         shutil.copy(BENCH_DIR / "litellm_auth.py", self.work_dir / "kvbench_litellm_auth.py")
         config = {
@@ -477,7 +239,7 @@ class BenchStack:
                     "model_name": MODEL,
                     "litellm_params": {
                         "model": f"hosted_vllm/{MODEL}",
-                        "api_base": f"http://127.0.0.1:{self.sim_port}/v1",
+                        "api_base": f"{self.sim.url}/v1",
                         "api_key": "none",
                     },
                 }
@@ -496,20 +258,12 @@ class BenchStack:
 
     def start(self) -> None:
         want = set(self.wanted)
-        sim = ManagedProcess("sim", self._sim_argv(), log_dir=self.log_dir).start()
-        self.procs["sim"] = sim
-        started: list[tuple[str, ManagedProcess]] = []
+        rig = self.rig
+        sim = self._sim = rig.sim("vllm", self.sim_settings.options())
 
-        def kvgate(name: str, store: str, key_prefix: str = "") -> ManagedProcess:
-            path = self.work_dir / f"{name}.yaml"
-            config = self.kvgate_config(name, store, key_prefix=key_prefix)
-            path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-            argv = [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(path)]
-            argv += self.kvgate_args
-            proc = ManagedProcess(name, argv, log_dir=self.log_dir).start()
-            self.procs[name] = proc
-            started.append((name, proc))
-            return proc
+        def kvgate(name: str, store: str, key_prefix: str = "") -> None:
+            config = self.kvgate_config(store, key_prefix=key_prefix)
+            self.kvgates[name] = rig.kvgate(name, config, extra_args=self.kvgate_args)
 
         if want & {"kvgate", "kvgate-split"}:
             kvgate("kvgate-memory", "memory")
@@ -528,95 +282,71 @@ class BenchStack:
                     kvgate(name, self.redis_url, key_prefix=f"{self.redis_prefix}-pair")
             else:
                 self.skipped["kvgate-redis-2"] = why
-        if "noop" in want:
-            argv = [
-                sys.executable,
-                "-m",
-                "bench.noop_extproc",
-                "--listen",
-                f"127.0.0.1:{self._port('noop:grpc')}",
-            ]
-            self.procs["noop-extproc"] = ManagedProcess(
-                "noop-extproc", argv, log_dir=self.log_dir
-            ).start()
-        if "litellm" in want:
-            self._start_litellm()
+        noop = rig.noop_extproc() if "noop" in want else None
+        litellm = self._start_litellm() if "litellm" in want else None
 
-        envoys: dict[str, tuple[Path, int | None]] = {}
-        more_ports: dict[str, tuple[int, ...]] = {}
+        # One Envoy per arm, in front of the simulator; the arms without kvgate route every
+        # request upstream (nothing sets kvgate's routing header there).
+        extprocs: dict[str, tuple[int, ...]] = {}
         if "envoy" in want:
-            envoys["envoy"] = (ENVOY_CONFIG, None)
-        if "noop" in want:
-            envoys["noop"] = (ENVOY_CONFIG, self._port("noop:grpc"))
-        if "kvgate" in want:
-            envoys["kvgate"] = (ENVOY_CONFIG, self._port("kvgate-memory:grpc"))
-        if "kvgate-split" in want:
-            envoys["kvgate-split"] = (OBSERVABILITY_CONFIG, self._port("kvgate-memory:grpc"))
-        if "kvgate-redis" in want and "kvgate-redis" not in self.skipped:
-            envoys["kvgate-redis"] = (ENVOY_CONFIG, self._port("kvgate-redis:grpc"))
-        if "kvgate-redis-2" in want and "kvgate-redis-2" not in self.skipped:
-            envoys["kvgate-redis-2"] = (ENVOY_CONFIG, self._port(f"{PAIR[0]}:grpc"))
-            more_ports["kvgate-redis-2"] = (self._port(f"{PAIR[1]}:grpc"),)
-        for name, (src, port) in envoys.items():
-            self._envoy(name, src, port, more_ports.get(name, ())).start()
+            extprocs["envoy"] = ()
+        if noop is not None:
+            extprocs["noop"] = (noop.grpc_port,)
+        for arm, names in KVGATES_OF_ARM.items():
+            if arm in want and arm not in self.skipped:
+                extprocs[arm] = tuple(self.kvgates[n].grpc_port for n in names)
+        for arm, ports in extprocs.items():
+            self.envoys[arm] = rig.envoy(
+                f"envoy-{arm}",
+                template=OBSERVABILITY_CONFIG if arm == "kvgate-split" else ENVOY_CONFIG,
+                extproc=ports,
+                backends={BACKEND: sim.port},
+                route_all_to=BACKEND if arm in ("envoy", "noop") else None,
+                quick_shutdown=False,
+                access_log_flush_ms=None,
+            )
 
         # Readiness.
-        sim.wait_http(f"http://127.0.0.1:{self.sim_port}/health", 120)
-        for name, proc in started:
+        sim.wait_ready(120)
+        for name, proc in self.kvgates.items():
             try:
-                proc.wait_http(f"http://127.0.0.1:{self._port(f'{name}:http')}/readyz", 120)
+                proc.wait_ready(120)
             except ProcessError as exc:
                 arm = "kvgate-redis-2" if name in PAIR else name
-                if arm in ("kvgate-redis", "kvgate-redis-2"):
-                    self.skipped[arm] = f"kvgate with Redis did not start: {exc}"
-                    proc.stop()
-                else:
+                if arm not in REDIS_ARMS:
                     raise
-        for name in envoys:
-            if name in self.skipped:
-                continue
-            proc = self.procs[f"envoy-{name}"]
-            proc.wait_http(f"http://127.0.0.1:{self._port(f'envoy-{name}:admin')}/ready", 60)
-            if envoys[name][1] is not None:
-                self._wait_extproc_healthy(name)
+                self.skipped[arm] = f"kvgate with Redis did not start: {exc}"
+                proc.process.stop()
+        for arm, envoy in self.envoys.items():
+            if arm not in self.skipped:
+                envoy.wait_ready(60)
 
         if "direct" in want:
-            self.arms["direct"] = Arm("direct", f"http://127.0.0.1:{self.sim_port}")
-        for name in envoys:
-            if name in self.skipped:
+            self.arms["direct"] = Arm("direct", sim.url)
+        for arm, envoy in self.envoys.items():
+            if arm in self.skipped:
                 continue
-            pids = {"envoy": self._pid(f"envoy-{name}")}
-            if name == "noop":
-                pids["extproc"] = self._pid("noop-extproc")
-            elif name in ("kvgate", "kvgate-split"):
-                pids["kvgate"] = self._pid("kvgate-memory")
-            elif name == "kvgate-redis":
-                pids["kvgate"] = self._pid("kvgate-redis")
-            elif name == "kvgate-redis-2":
-                pids["kvgate"] = self._pid(PAIR[0])
-                pids["kvgate-b"] = self._pid(PAIR[1])
-            if name.startswith("kvgate-redis"):
+            pids = {"envoy": envoy.pid}
+            if noop is not None and arm == "noop":
+                pids["extproc"] = noop.pid
+            roles = ("kvgate", "kvgate-b")
+            for role, name in zip(roles, KVGATES_OF_ARM.get(arm, ()), strict=False):
+                pids[role] = self.kvgates[name].pid
+            if arm in REDIS_ARMS:
                 redis_pid = self._redis_pid()
                 if redis_pid is not None:
                     pids["redis"] = redis_pid
-            self.arms[name] = Arm(
-                name, f"http://127.0.0.1:{self._port(f'envoy-{name}:listen')}", pids=pids
-            )
-        if "litellm" in want and "litellm" not in self.skipped:
-            litellm = self.procs["litellm"]
+            self.arms[arm] = Arm(arm, envoy.base_url, pids=pids)
+        if litellm is not None:
+            proxy, url = litellm
             try:
-                litellm.wait_http(
-                    f"http://127.0.0.1:{self._port('litellm')}/health/liveliness", 180
-                )
+                proxy.wait_http(f"{url}/health/liveliness", 180)
             except ProcessError as exc:
                 self.skipped["litellm"] = f"LiteLLM did not start: {exc}"
-                litellm.stop()
+                proxy.stop()
             else:
-                self.arms["litellm"] = Arm(
-                    "litellm",
-                    f"http://127.0.0.1:{self._port('litellm')}",
-                    pids={"litellm": self._pid("litellm")},
-                )
+                assert proxy.pid is not None
+                self.arms["litellm"] = Arm("litellm", url, pids={"litellm": proxy.pid})
         for name in self.wanted:
             if name not in self.arms and name not in self.skipped:
                 self.skipped[name] = "not started"
@@ -633,14 +363,15 @@ class BenchStack:
             return None
         return pid if Path(f"/proc/{pid}").exists() else None
 
-    def _start_litellm(self) -> None:
+    def _start_litellm(self) -> tuple[ManagedProcess, str] | None:
+        """LiteLLM's proxy (started, not yet ready) and its URL; None when not installed."""
         binary = self.litellm_venv / "bin" / "litellm"
         if not binary.exists():
             self.skipped["litellm"] = (
                 f"LiteLLM not installed in {self.litellm_venv} (python -m bench.run installs it "
                 "unless --no-litellm-install)"
             )
-            return
+            return None
         config = self._litellm_config()
         keys = {
             API_KEY: {"alias": "bench", "rpm": TENANT_RPM, "tpm": TENANT_TPM},
@@ -657,6 +388,7 @@ class BenchStack:
                 "PYTHONPATH": str(self.work_dir),
             }
         )
+        port = self.rig.ports.new()
         argv = [
             str(binary),
             "--config",
@@ -664,47 +396,30 @@ class BenchStack:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self._port("litellm")),
+            str(port),
             "--num_workers",
             "1",
         ]
-        self.procs["litellm"] = ManagedProcess(
-            "litellm", argv, log_dir=self.log_dir, env=env, cwd=self.work_dir
-        ).start()
+        proc = self.rig.process("litellm", argv, env=env, cwd=self.work_dir)
+        return proc, f"http://127.0.0.1:{port}"
 
-    def _pid(self, proc: str) -> int:
-        pid = self.procs[proc].pid
-        assert pid is not None
-        return pid
-
-    def _wait_extproc_healthy(self, name: str) -> None:
-        wait_extproc_healthy(self._port(f"envoy-{name}:admin"), f"envoy-{name}")
+    @property
+    def sim(self) -> SimProcess:
+        if self._sim is None:
+            raise RuntimeError("the stack is not started")
+        return self._sim
 
     def restart_sim(self, settings: SimSettings) -> None:
         """Same port, new latencies (Envoy clusters and LiteLLM keep pointing at it)."""
         self.sim_settings = settings
-        sim = self.procs["sim"]
-        sim.stop()
-        sim.argv = self._sim_argv()
-        sim.start()
-        sim.wait_http(f"http://127.0.0.1:{self.sim_port}/health", 120)
+        self.sim.restart(settings.options(), timeout=120)
 
     def sim_idle(self, timeout: float = 30.0) -> bool:
         """Wait until the simulator runs nothing (the previous run's stragglers are done)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                stats = http_get_json(f"http://127.0.0.1:{self.sim_port}/sim/stats")
-            except OSError:
-                time.sleep(0.2)
-                continue
-            if not stats.get("running") and not stats.get("waiting"):
-                return True
-            time.sleep(0.2)
-        return False
+        return self.sim.wait_idle(timeout, interval=0.2)
 
     def all_pids(self) -> list[int]:
-        return [p.pid for p in self.procs.values() if p.pid is not None and p.running]
+        return self.rig.pids()
 
     def stack_cpu_seconds(self) -> float:
         return sum(tree_cpu_seconds(pid) for pid in self.all_pids())
@@ -735,39 +450,26 @@ class BenchStack:
             before = after
         waited = 0.0
         if machine_max_cores is not None and machine_timeout > 0:
-            start = time.monotonic()
-            busy = machine_busy_seconds()
-            while time.monotonic() - start < machine_timeout:
-                time.sleep(window_s)
-                now = machine_busy_seconds()
-                if (now - busy) / window_s <= machine_max_cores:
-                    break
-                busy = now
-            waited = time.monotonic() - start
+            waited, _ = wait_machine_quiet(machine_timeout, machine_max_cores, window_s)
         return quiet, waited
 
     def kvgate_metrics_url(self, arm: str) -> str | None:
-        name = {"kvgate": "kvgate-memory", "kvgate-split": "kvgate-memory"}.get(arm, arm)
-        if not name.startswith("kvgate"):
+        """The metrics of the arm's kvgate process (None without one, or with two)."""
+        names = KVGATES_OF_ARM.get(arm, ())
+        if len(names) != 1 or names[0] not in self.kvgates:
             return None
-        return f"http://127.0.0.1:{self._port(f'{name}:http')}/metrics"
+        return self.kvgates[names[0]].metrics_url
 
     def envoy_admin_url(self, arm: str) -> str:
-        return f"http://127.0.0.1:{self._port(f'envoy-{arm}:admin')}"
+        return self.envoys[arm].admin_url
 
     @property
     def sim_pid(self) -> int:
-        return self._pid("sim")
+        return self.sim.pid
 
     def stop(self) -> None:
-        order = [n for n in self.procs if n.startswith("envoy-")]
-        order += [n for n in self.procs if not n.startswith("envoy-") and n != "sim"]
-        order.append("sim")
-        for name in order:
-            if name in self.procs:
-                with contextlib.suppress(Exception):
-                    self.procs[name].stop(timeout=10)
-        if "kvgate-redis" in self.procs or PAIR[0] in self.procs:
+        self.rig.stop()
+        if "kvgate-redis" in self.kvgates or PAIR[0] in self.kvgates:
             self._clean_redis()
 
     def _clean_redis(self) -> None:
@@ -796,12 +498,6 @@ class BenchStack:
             yield f"{name:13s} {arm.base_url}  pids {arm.pids}"
         for name, why in self.skipped.items():
             yield f"{name:13s} skipped: {why}"
-
-
-def _demo_model_dir() -> Path:
-    from testbed.demo_model import demo_model_dir
-
-    return demo_model_dir()
 
 
 def ensure_litellm(venv: Path = LITELLM_VENV, log: Path | None = None) -> str | None:

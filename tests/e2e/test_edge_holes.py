@@ -15,7 +15,7 @@ Two kinds of stacks:
 - the routing guard on its own: each shipped Envoy bootstrap (and the Istio sidecar
   EnvoyFilter applied to an Istio-like inbound listener), moved to loopback ports, in front
   of the vLLM simulator, with an ext_proc server that answers CONTINUE to everything and
-  never decides (bench/noop_extproc.py);
+  never decides (testbed/noop_extproc.py);
 - the full stack (Envoy, kvgate, simulator) on the configs where the holes showed.
 """
 
@@ -255,7 +255,7 @@ def backend_and_noop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     )
     noop = ManagedProcess(
         "noop-extproc",
-        [sys.executable, "-m", "bench.noop_extproc", "--listen", f"127.0.0.1:{noop_port}"],
+        [sys.executable, "-m", "testbed.noop_extproc", "--listen", f"127.0.0.1:{noop_port}"],
         log_dir=log_dir,
     )
     with sim, noop:
