@@ -480,6 +480,13 @@ class SimOptions:
     default_output_tokens: int | None = None
     force_include_usage: bool = False
     log_level: str | None = None
+    # vLLM's chat-rendering flags, passed as the simulator's flags of the same names (the
+    # dicts as JSON; chat_template: a file path, a bundled template's name or the template).
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort_map: dict[str, str] | None = None
+    chat_template: str | None = None
+    chat_template_content_format: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     extra_args: list[str] = field(default_factory=list)
 
     def argv(self) -> list[str]:
@@ -497,6 +504,20 @@ class SimOptions:
                 args += [flag, str(value)]
         if self.force_include_usage:
             args.append("--force-include-usage")
+        for flag, mapping in (
+            ("--default-chat-template-kwargs", self.default_chat_template_kwargs),
+            ("--reasoning-effort-map", self.reasoning_effort_map),
+        ):
+            if mapping is not None:
+                args += [flag, json.dumps(mapping)]
+        for flag, text in (
+            ("--chat-template", self.chat_template),
+            ("--chat-template-content-format", self.chat_template_content_format),
+        ):
+            if text is not None:
+                args += [flag, text]
+        if self.exclude_tools_when_tool_choice_none:
+            args.append("--exclude-tools-when-tool-choice-none")
         return args + list(self.extra_args)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from vllm_sim.chat_flags import CONTENT_FORMAT_OPTIONS, load_chat_template
 from vllm_sim.config import SimConfig
 from vllm_sim.server import create_app
 
@@ -124,6 +126,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=8192,
         help="the embedding model's context length in tokens",
     )
+    # vLLM 0.34's frontend flags that change a rendered chat (vllm_sim.chat_flags).
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON object of keywords for the chat template, under each request's own "
+        "(vLLM's --default-chat-template-kwargs), e.g. '{\"enable_thinking\": false}'",
+    )
+    p.add_argument(
+        "--reasoning-effort-map",
+        type=json.loads,
+        default=None,
+        help="JSON object rewriting a request's reasoning_effort before the template (or "
+        'harmony) sees it, e.g. \'{"medium": "low"}\' (vLLM\'s --reasoning-effort-map)',
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template file, one of vLLM's bundled templates by name, or the "
+        "template itself (any of '{', '}' or a newline in a value that is no file); it "
+        "replaces the model directory's template (vLLM's --chat-template)",
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        choices=list(CONTENT_FORMAT_OPTIONS),
+        default="auto",
+        help="message content as text ('string') or as a list of parts ('openai'); 'auto' "
+        "detects it from the template (vLLM's --chat-template-content-format)",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="a chat completion with tool_choice 'none' renders without its tools (vLLM's flag)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -152,6 +188,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         embedding_model=args.embedding_model,
         embedding_served_model_name=args.embedding_served_model_name,
         embedding_max_model_len=args.embedding_max_model_len,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        reasoning_effort_map=args.reasoning_effort_map,
+        # vLLM's load_chat_template at start-up: a path is read, a template kept.
+        chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from vllm_sim.chat_flags import ChatFlags, validate_reasoning_effort_map
 
 # The vLLM release whose OpenAI-server wire format the simulator reproduces.
 VLLM_VERSION = "0.10.2"
@@ -63,6 +67,14 @@ class SimConfig:
     embedding_model: str | None = None
     embedding_served_model_name: str = "wordllama-l2-supercat"
     embedding_max_model_len: int = 8192
+    # vLLM's chat-rendering flags (see vllm_sim.chat_flags): --default-chat-template-kwargs,
+    # --reasoning-effort-map, --chat-template (the template's text: the CLI reads a path as
+    # vLLM does), --chat-template-content-format, --exclude-tools-when-tool-choice-none.
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    reasoning_effort_map: Mapping[str, str] | None = None
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -85,6 +97,25 @@ class SimConfig:
             raise ValueError(f"unknown embedding model {self.embedding_model!r} (known: wordllama)")
         if self.embedding_max_model_len < 1:
             raise ValueError("embedding_max_model_len must be >= 1")
+        kwargs = self.default_chat_template_kwargs
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object")
+        effort_map = self.reasoning_effort_map
+        validate_reasoning_effort_map(
+            dict(effort_map) if isinstance(effort_map, Mapping) else effort_map
+        )
+        self.chat_flags  # noqa: B018 (checks the content format)
+
+    @property
+    def chat_flags(self) -> ChatFlags:
+        """The settings every chat is rendered with, on every route that renders one."""
+        return ChatFlags(
+            default_chat_template_kwargs=dict(self.default_chat_template_kwargs or {}),
+            reasoning_effort_map=dict(self.reasoning_effort_map or {}),
+            chat_template=self.chat_template,
+            chat_template_content_format=self.chat_template_content_format,  # type: ignore[arg-type]
+            exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none,
+        )
 
     @property
     def gpu_blocks(self) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_sim.chat_flags import DEFAULT_FLAGS, chat_kwargs
 from vllm_sim.tokenization import PromptError, SimTokenizer, preprocess_messages
 
 ARCHITECTURE_MODES = {
@@ -473,22 +474,26 @@ class DeepseekSimTokenizer(SimTokenizer):
     def render_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> str:
         from vllm_sim.engine_tokenizers import _vllm_tool_dump
 
-        # vLLM's merge: the request's chat_template_kwargs over the server's defaults (the
-        # tools among them), None and "auto" meaning unset.
-        options: dict[str, Any] = {}
+        # vLLM's merge (build_chat_params(...).with_defaults(...)): the request's fields over
+        # its chat_template_kwargs, those over the server's --default-chat-template-kwargs
+        # and the tools, None and "auto" meaning unset; the effort as --reasoning-effort-map
+        # rewrites it. The encoders read what they know of these keywords
+        # (params.get_apply_chat_template_kwargs()); a --chat-template or a content format
+        # has no say here (the renderer fixes the format, the encoder is the template).
         tools = kwargs.get("tools")
-        if tools is not None:
-            options["tools"] = _vllm_tool_dump(tools)
-        for key, value in (kwargs.get("chat_template_kwargs") or {}).items():
-            if value is not None and value != "auto":
-                options[key] = value
-        if "conversation" in options or "messages" in options:
-            raise PromptError("apply_chat_template() got multiple values for a keyword argument")
         # The request's own field: given by name, or riding on the messages (ChatMessages).
         effort_field = kwargs.get("reasoning_effort", getattr(messages, "reasoning_effort", None))
-        if effort_field is not None:
-            options.setdefault("enable_thinking", effort_field != "none")
-            options["reasoning_effort"] = effort_field
+        options = chat_kwargs(
+            kwargs.get("chat_template_kwargs"),
+            tools=_vllm_tool_dump(tools) if tools is not None else None,
+            documents=kwargs.get("documents"),
+            reasoning_effort=effort_field,
+            add_generation_prompt=bool(kwargs.get("add_generation_prompt", True)),
+            continue_final_message=bool(kwargs.get("continue_final_message", False)),
+            flags=kwargs.get("flags") or DEFAULT_FLAGS,
+        )
+        if "conversation" in options or "messages" in options:
+            raise PromptError("apply_chat_template() got multiple values for a keyword argument")
         try:
             conversation = _vllm_conversation(messages, self.content_format)
             if self.mode == "deepseek_v32":

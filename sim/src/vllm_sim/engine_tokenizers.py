@@ -24,6 +24,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_sim.chat_flags import (
+    DEFAULT_FLAGS,
+    ChatFlags,
+    chat_kwargs,
+    map_reasoning_effort,
+    merge_kwargs,
+)
 from vllm_sim.deepseek_prompts import DeepseekSimTokenizer, architecture_mode
 from vllm_sim.tokenization import (
     SINGLE_TOKEN_WORDS,
@@ -31,6 +38,9 @@ from vllm_sim.tokenization import (
     SimTokenizer,
     preprocess_messages,
 )
+
+# vLLM's harmony_utils.REASONING_EFFORT: the efforts a gpt-oss system message can carry.
+HARMONY_EFFORTS = ("high", "medium", "low")
 
 
 def pick_tokenizer_mode(model_dir: Path, requested: str = "auto") -> str:
@@ -153,15 +163,46 @@ class MistralSimTokenizer(SimTokenizer):
                 message["tool_calls"] = calls
             elif message.get("role") in ("tool", "tool_results") and "tool_call_id" in message:
                 message["tool_call_id"] = message["tool_call_id"][-9:]
+        # vLLM's keywords (chat_kwargs: the server's defaults and tools under the request's
+        # fields, the effort mapped), as MistralTokenizer.apply_chat_template takes them: it
+        # pops the generation switches and tokenizer options and hands the rest
+        # (reasoning_effort, the defaults, ...) to mistral_common's
+        # ChatCompletionRequest.from_openai, which keeps the fields it knows (a
+        # reasoning_effort its tokenizer version does not support is refused) and drops the
+        # others. A --chat-template travels along unused.
+        flags = kwargs.get("flags") or DEFAULT_FLAGS
         tools = kwargs.get("tools")
+        options = chat_kwargs(
+            None,
+            tools=_vllm_tool_dump(tools) if tools is not None else None,
+            documents=kwargs.get("documents"),
+            reasoning_effort=getattr(messages, "reasoning_effort", None),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            flags=flags,
+            tokenize=True,
+        )
+        options = merge_kwargs(options, {"chat_template": flags.chat_template})
+        for own in ("add_generation_prompt", "continue_final_message", "tokenize"):
+            options.pop(own, None)
+        for dropped in ("return_tensors", "return_dict"):
+            options.pop(dropped, None)
+        tool_dicts = options.pop("tools", None)
+        padding = options.pop("padding", False)
+        truncation = options.pop("truncation", False)
+        max_length = options.pop("max_length", None)
         try:
             ids = self._tok.apply_chat_template(
                 shaped,
-                tools=_vllm_tool_dump(tools) if tools is not None else None,
+                tools=tool_dicts,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=True,
+                padding=padding,
+                truncation=truncation,
+                max_length=max_length,
                 return_dict=False,
+                **options,
             )
         except Exception as exc:  # vLLM turns mistral_common's errors into ValueError
             raise PromptError(str(exc)) from exc
@@ -191,9 +232,26 @@ class HarmonySimTokenizer(SimTokenizer):
         from openai_harmony import Conversation, RenderConversationConfig, Role
 
         preprocess_messages(messages, "openai")  # text parts only, as the HF path
+        flags: ChatFlags = kwargs.get("flags") or DEFAULT_FLAGS
+        # _make_request_with_harmony: the request's effort as --reasoning-effort-map rewrites
+        # it sets the system message's "Reasoning:" line (none of the other chat flags but
+        # the tools' exclusion, applied by the server, reach harmony).
+        effort = map_reasoning_effort(
+            getattr(messages, "reasoning_effort", None), flags.reasoning_effort_map
+        )
+        if effort == "none":
+            raise PromptError(f"Harmony does not support reasoning_effort={effort!r}")
+        if effort is not None and effort not in HARMONY_EFFORTS:
+            raise PromptError(
+                f"reasoning_effort={effort!r} is not supported by Harmony. "
+                f"Supported values are: {', '.join(HARMONY_EFFORTS)}."
+            )
         try:
             built = _harmony_request(
-                copy.deepcopy(list(messages)), kwargs.get("tools"), self.system_instructions
+                copy.deepcopy(list(messages)),
+                kwargs.get("tools"),
+                self.system_instructions,
+                effort,
             )
             kept = _without_superseded_reasoning(built)
             ids = self._harmony.render_conversation_for_completion(
@@ -225,10 +283,12 @@ def _flatten(content: Any) -> str | None:
     return "".join(found) if found else None
 
 
-def _harmony_system(instructions: str | None) -> Any:
-    from openai_harmony import Message, Role, SystemContent
+def _harmony_system(instructions: str | None, effort: str | None = None) -> Any:
+    from openai_harmony import Message, ReasoningEffort, Role, SystemContent
 
     system = SystemContent.new()
+    if effort is not None:
+        system = system.with_reasoning_effort(ReasoningEffort(effort.capitalize()))
     if instructions is not None:
         identity = system.model_identity
         system = system.with_model_identity(
@@ -259,7 +319,7 @@ def _harmony_developer(instructions: str | None, tools: Any, in_system: bool = F
 
 
 def _harmony_request(
-    messages: list[dict[str, Any]], tools: Any, in_system: bool = False
+    messages: list[dict[str, Any]], tools: Any, in_system: bool = False, effort: str | None = None
 ) -> list[Any]:
     from openai_harmony import Author, Message, Role, TextContent
 
@@ -268,11 +328,11 @@ def _harmony_request(
         instructions = _flatten(messages[0].get("content"))
         messages = messages[1:]
     if in_system:
-        out: list[Any] = [_harmony_system(instructions)]
+        out: list[Any] = [_harmony_system(instructions, effort)]
         if tools:
             out.append(_harmony_developer(None, tools, in_system=True))
     else:
-        out = [_harmony_system(None)]
+        out = [_harmony_system(None, effort)]
         if instructions or tools:
             out.append(_harmony_developer(instructions, tools))
 

@@ -261,6 +261,8 @@ class VllmSim:
         self.config = config
         self.tokenizer = tokenizer or load_sim_tokenizer(config.model_dir, config.tokenizer_mode)
         self.max_model_len = config.effective_max_model_len
+        # vLLM's chat-rendering flags, applied on every route that renders a chat.
+        self.chat_flags = config.chat_flags
         self.engine = KVEngine(
             num_gpu_blocks=config.gpu_blocks,
             block_size=config.block_size,
@@ -580,6 +582,10 @@ class VllmSim:
 
                 def render() -> list[int]:
                     try:
+                        # vLLM's ServingTokenization renders with the server's template,
+                        # content format and default keywords; TokenizeChatRequest has no
+                        # tool_choice (and no reasoning_effort), so the tools always stay
+                        # (gpt-oss: its chat request defaults tool_choice to "auto").
                         return self.tokenizer.encode_chat(
                             fields["messages"],
                             tools=fields["tools"],
@@ -588,6 +594,7 @@ class VllmSim:
                             continue_final_message=fields["continue_final_message"],
                             chat_template_kwargs=fields["chat_template_kwargs"],
                             add_special_tokens=fields["add_special_tokens"],
+                            flags=self.chat_flags,
                         )
                     except PromptError as exc:
                         # vLLM formats preprocessing failures as f"{e} {e.__cause__}".
@@ -627,13 +634,15 @@ class VllmSim:
         def work() -> list[int]:
             return self.tokenizer.encode_chat(
                 chat.messages,
-                tools=chat.tools,
+                # --exclude-tools-when-tool-choice-none (OnlineRenderer.render_chat).
+                tools=self.chat_flags.tools_for(chat.tools, chat.tool_choice),
                 documents=chat.documents,
                 chat_template=chat.chat_template,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message,
                 chat_template_kwargs=chat.chat_template_kwargs,
                 add_special_tokens=chat.add_special_tokens,
+                flags=self.chat_flags,
             )
 
         try:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_sim.chat_flags import DEFAULT_FLAGS, ChatFlags, chat_kwargs
+
 ContentFormat = Literal["string", "openai"]
 
 # Common English words; each one that the vocabulary holds as a single token (with
@@ -447,19 +449,24 @@ def template_kwargs(
     tools: list[dict[str, Any]] | None,
     documents: Any,
     reasoning_effort: str | None,
+    flags: ChatFlags = DEFAULT_FLAGS,
 ) -> dict[str, Any]:
     """vLLM 0.34's ``build_chat_params(...).with_defaults(...)``: the request's own fields
-    over the client's kwargs, those over the server's defaults (the tools), every
-    ``None``/``"auto"`` value counting as unset."""
-
-    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-        return {**base, **{k: v for k, v in over.items() if v is not None and v != "auto"}}
-
-    client = dict(chat_template_kwargs or {})
-    request_fields: dict[str, Any] = {"documents": documents, "reasoning_effort": reasoning_effort}
-    if reasoning_effort is not None and "enable_thinking" not in client:
-        request_fields["enable_thinking"] = reasoning_effort != "none"
-    return merge({"tools": tools}, merge(client, request_fields))
+    over the client's kwargs, those over the server's defaults (its
+    --default-chat-template-kwargs, then the tools), every ``None``/``"auto"`` value
+    counting as unset; the effort as --reasoning-effort-map rewrites it. Without
+    ``add_generation_prompt``, ``continue_final_message`` and ``tokenize``, which the
+    renderer passes itself."""
+    kwargs = chat_kwargs(
+        chat_template_kwargs,
+        tools=tools,
+        documents=documents,
+        reasoning_effort=reasoning_effort,
+        flags=flags,
+    )
+    for own in ("add_generation_prompt", "continue_final_message", "tokenize"):
+        kwargs.pop(own, None)
+    return kwargs
 
 
 # apply_chat_template's own named parameters: vLLM forwards them whatever the template reads.
@@ -542,22 +549,52 @@ class SimTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        flags: ChatFlags | None = None,
     ) -> str:
-        """Render like vLLM 0.34's ``safe_apply_chat_template`` on its preprocessed chat."""
+        """Render like vLLM 0.34's ``safe_apply_chat_template`` on its preprocessed chat,
+        with the server's chat flags (vLLM's defaults when None)."""
+        flags = flags or DEFAULT_FLAGS
+        if chat_template_kwargs and (
+            "chat_template" in chat_template_kwargs or "tokenize" in chat_template_kwargs
+        ):
+            raise PromptError("Found unexpected chat template kwargs from request")
         kwargs = template_kwargs(
             chat_template_kwargs,
             tools=normalize_tools(tools) if tools is not None else None,
             documents=documents,
             reasoning_effort=getattr(messages, "reasoning_effort", None),
+            flags=flags,
         )
-        if "chat_template" in kwargs or "tokenize" in kwargs:
-            raise PromptError("Found unexpected chat template kwargs from request")
         tool_dicts = kwargs.pop("tools", None)
-        try:
-            template = self._tok.get_chat_template(chat_template, tools=tool_dicts)
-        except Exception as exc:
-            raise PromptError(str(exc)) from exc
-        conversation = preprocess_messages(messages, _cached_content_format(template))
+        # ChatParams.chat_template: the request's template, else --chat-template.
+        # get_apply_chat_template_kwargs puts it over the keywords; only when neither is
+        # set does a chat_template among the server's default keywords reach the renderer.
+        params_template = chat_template or flags.chat_template
+        default_template = kwargs.pop("chat_template", None)
+
+        def resolve(name_or_text: str | None) -> str:
+            try:
+                return str(self._tok.get_chat_template(name_or_text, tools=tool_dicts))
+            except Exception as exc:
+                raise PromptError(str(exc)) from exc
+
+        if params_template is None and default_template is not None:
+            template = resolve(default_template)
+
+            def detect() -> str:
+                # The format is resolved from ChatParams.chat_template alone: the model's.
+                try:
+                    return _cached_content_format(resolve(None))
+                except PromptError:
+                    return "string"
+        else:
+            template = resolve(params_template)
+
+            def detect() -> str:
+                return _cached_content_format(template)
+
+        content_format: Any = flags.content_format(detect)
+        conversation = preprocess_messages(messages, content_format)
         conversation = developer_to_system(conversation, template)
         accepted = _template_variables(template) | _APPLY_PARAMS
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}

@@ -272,6 +272,8 @@ class ChatRequest:
     common: CommonParams
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    # As vLLM's validator leaves it: "none", "auto", "required", a named choice or None.
+    tool_choice: Any = "none"
     documents: Any = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -298,7 +300,16 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _type_error("list_type", "Input should be a valid list", _loc("tools"), tools)
-    tool_choice = body.get("tool_choice", "auto" if tools else "none")
+    # vLLM's check_tool_usage: an empty tools list is no tools ("auto" and "required" then
+    # fall back to "none"), tools without a tool_choice mean "auto", else the field's
+    # default "none".
+    tool_choice = body.get("tool_choice", "none")
+    if tools == [] and not isinstance(tool_choice, dict):
+        tools = None
+        if tool_choice in ("auto", "required"):
+            tool_choice = "none"
+    if "tool_choice" not in body and tools:
+        tool_choice = "auto"
     if tool_choice not in (None, "none") and tools is None:
         raise _value_error("When using `tool_choice`, `tools` must be set.", body)
 
@@ -340,6 +351,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         common=common,
         messages=chat_messages,
         tools=tools,
+        tool_choice=tool_choice,
         documents=body.get("documents"),
         chat_template=_opt_str(body, "chat_template"),
         chat_template_kwargs=kwargs,
