@@ -6,10 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import grpc
@@ -28,44 +25,20 @@ from kvgate.admin.auth import (
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.app import KvgateServer
 from kvgate.config import ConfigError, parse_config
-from kvgate.logs import JsonFormatter
-from tests.admin.support import run_backends_cli, start_server
+from tests.admin.support import (
+    EXPOSED_IP,
+    OTHER,
+    TOKEN,
+    admin_call,
+    get,
+    rendered_logs,
+    run_backends_cli,
+    server_config,
+    start_server,
+)
 from tests.session.conftest import make_config
 
-TOKEN = "op-token-3f9c1a7e5b2d4c6e8a0b"
-OTHER = "op-token-rotated-00112233445566"
-
-
-def non_loopback_ip() -> str | None:
-    """This machine's address on a non-loopback interface, if it has one."""
-    candidates = []
-    for target in ("10.254.254.254", "192.0.2.1", "8.8.8.8"):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.connect((target, 9))  # no packet is sent: only the route is chosen
-                candidates.append(probe.getsockname()[0])
-            except OSError:
-                continue
-    candidates = [a for a in candidates if a != "0.0.0.0" and not is_loopback_listen(f"{a}:0")]
-    if not candidates:
-        return None
-    address = candidates[0]
-    try:  # it must be bindable here
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((address, 0))
-    except OSError:
-        return None
-    return address
-
-
-EXPOSED_IP = non_loopback_ip()
 needs_exposed_ip = pytest.mark.skipif(EXPOSED_IP is None, reason="no non-loopback address")
-
-
-def rendered_logs(caplog: pytest.LogCaptureFixture) -> str:
-    """Every captured record as kvgate writes it (JSON, with its extra fields)."""
-    formatter = JsonFormatter()
-    return "\n".join(formatter.format(record) for record in caplog.records)
 
 
 # --------------------------------------------------------------------------- the decision
@@ -117,12 +90,6 @@ def test_check_with_token() -> None:
 
 
 # --------------------------------------------------------------------------- tokens
-
-
-def server_config(**server: Any) -> Any:
-    config = make_config()
-    config["server"].update(server)
-    return parse_config(config).server
 
 
 def test_token_file_trailing_newline_and_env(tmp_path: Path, monkeypatch) -> None:
@@ -182,38 +149,6 @@ def test_missing_token_file_stops_the_server(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- real servers
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
-async def get(
-    http: aiohttp.ClientSession, url: str, token: str | None = None, raw: str | None = None
-) -> tuple[int, dict[str, str], Any]:
-    headers = {"Authorization": raw if raw is not None else f"Bearer {token}"}
-    async with http.get(url, headers=headers if (token or raw) else None) as response:
-        body = await response.json() if "json" in response.content_type else await response.text()
-        return response.status, dict(response.headers), body
-
-
-async def admin_call(address: str, token: str | None = None) -> grpc.StatusCode:
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = admin_pb2_grpc.AdminStub(channel)
-        try:
-            await stub.ListBackends(admin_pb2.ListBackendsRequest(), metadata=metadata, timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            return exc.code()
-        try:
-            await stub.GetTenantUsage(
-                admin_pb2.GetTenantUsageRequest(tenant="acme"), metadata=metadata, timeout=5
-            )
-        except grpc.aio.AioRpcError as exc:
-            return exc.code()
-        return grpc.StatusCode.OK
 
 
 async def admin_error(address: str, token: str | None = None) -> grpc.aio.AioRpcError:

@@ -15,8 +15,7 @@ import yaml
 from kvgate.app import KvgateServer
 from kvgate.config import ConfigError, parse_config
 from tests.admin.pki import Pki, make_pki, needs_openssl
-from tests.admin.support import start_server
-from tests.admin.test_operator_tls import client_context, grpc_channel, https_get, tls_section
+from tests.admin.support import client_context, grpc_channel, https_get, start_server, tls_section
 from tests.session.conftest import make_config
 
 pytestmark = needs_openssl

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,17 @@ from kvgate.app import KvgateServer
 from kvgate.config import ConfigError, parse_config
 from kvgate.config.model import OperatorTlsConfig
 from tests.admin.pki import Pki, SecretVolume, make_pki, needs_openssl
-from tests.admin.support import run_backends_cli, start_server
-from tests.admin.test_operator_auth import EXPOSED_IP, TOKEN, rendered_logs
+from tests.admin.support import (
+    EXPOSED_IP,
+    TOKEN,
+    client_context,
+    grpc_channel,
+    https_get,
+    rendered_logs,
+    run_backends_cli,
+    start_server,
+    tls_section,
+)
 from tests.session.conftest import make_config
 
 pytestmark = needs_openssl
@@ -45,16 +53,6 @@ EXPOSED_CONNECT = EXPOSED_IP or "127.0.0.1"
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-def tls_section(pki: Pki, *, mutual: bool = True, suffix: str = "") -> dict[str, str]:
-    section = {
-        "cert_file": str(pki.crt(f"server{suffix}")),
-        "key_file": str(pki.key(f"server{suffix}")),
-    }
-    if mutual:
-        section["client_ca_file"] = str(pki.crt(f"ca{suffix}"))
-    return section
 
 
 # --------------------------------------------------------------------------- the decision
@@ -161,52 +159,6 @@ def test_check_config_reads_tls_files_when_asked(
 
 
 # --------------------------------------------------------------------------- real servers
-
-
-def client_context(pki: Pki, client: str | None, trust: str = "ca") -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=str(pki.crt(trust)))
-    if client is not None:
-        context.load_cert_chain(pki.crt(client), pki.key(client))
-    return context
-
-
-async def https_get(
-    url: str,
-    context: ssl.SSLContext | bool,
-    token: str | None = None,
-    server_hostname: str | None = None,
-) -> tuple[int, Any]:
-    """(status, body), or ("refused", the aiohttp error's name) when the handshake fails."""
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        try:
-            async with session.get(
-                url, ssl=context, headers=headers, server_hostname=server_hostname
-            ) as response:
-                body = (
-                    await response.json()
-                    if "json" in response.content_type
-                    else await response.text()
-                )
-                return response.status, body
-        except aiohttp.ClientError as exc:
-            return "refused", type(exc).__name__  # type: ignore[return-value]
-
-
-def grpc_channel(
-    address: str,
-    pki: Pki,
-    client: str | None,
-    trust: str = "ca",
-    server_name: str | None = None,
-) -> grpc.aio.Channel:
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=pki.crt(trust).read_bytes(),
-        private_key=pki.key(client).read_bytes() if client else None,
-        certificate_chain=pki.crt(client).read_bytes() if client else None,
-    )
-    options = [("grpc.ssl_target_name_override", server_name)] if server_name else None
-    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 async def admin_call(channel: grpc.aio.Channel, token: str | None = None) -> grpc.StatusCode:

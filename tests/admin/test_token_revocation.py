@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -17,23 +17,17 @@ import pytest
 from kvgate.admin.auth import OperatorAuth, load_operator_tokens
 from kvgate.app import KvgateServer
 from tests.admin.pki import SecretVolume
-from tests.admin.support import start_server
-from tests.admin.test_operator_auth import (
+from tests.admin.support import (
     OTHER,
     TOKEN,
     admin_call,
     get,
     rendered_logs,
     server_config,
+    start_server,
 )
 
 REVOKED = "operator_token_file_unusable"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
 
 
 async def token_file_valid_metric(http: aiohttp.ClientSession, kvgate: KvgateServer) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from kvgate.capacity.cli import add_kv_budget_command, run_kv_budget
 from testbed.demo_model import demo_model_dir
-from tests.capacity.test_calculator import DEEPSEEK_V3, LLAMA3_8B
+from tests.capacity.model_configs import DEEPSEEK_V3, LLAMA3_8B
 
 
 def parser() -> argparse.ArgumentParser:

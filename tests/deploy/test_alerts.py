@@ -31,7 +31,7 @@ import yaml
 
 from kvgate.extproc.services import GatewayServices
 from testbed.harness import ManagedProcess, _bin
-from tests.deploy.test_manifests import (
+from tests.deploy.manifests import (
     DASHBOARD,
     DEPLOY,
     RULES,

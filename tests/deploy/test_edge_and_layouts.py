@@ -25,15 +25,17 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.test_manifests import (
-    DEPLOY,
+from testbed.harness import REPO_ROOT
+from tests.deploy.manifests import (
     EG_POLICY,
+    EG_SPLIT,
     EXT_PROC,
     ISTIO_FILTERS,
+    ISTIO_SPLIT,
     KVGATE_DEPLOYMENT,
-    REPO_ROOT,
     ROUTER,
     SIDECAR,
+    SIDECAR_SPLIT,
     apply_istio_patches,
     assert_valid_envoy,
     container,
@@ -45,14 +47,12 @@ from tests.deploy.test_manifests import (
     rel,
     shipped_bootstraps,
     sidecar_bootstrap,
+    sidecar_split_bootstrap,
     without_cluster_name,
 )
 
 OBSERVABILITY_CONFIG = REPO_ROOT / "envoy" / "envoy-observability.yaml"
-SIDECAR_SPLIT = DEPLOY / "kubernetes" / "gateway-with-sidecar-split.yaml"
 ISTIO_GATEWAY, ISTIO_SIDECAR = ISTIO_FILTERS
-ISTIO_SPLIT = DEPLOY / "istio" / "envoyfilter-gateway-split.yaml"
-EG_SPLIT = DEPLOY / "envoy-gateway" / "extension-policy-split.yaml"
 OBSERVE = "kvgate.observe"
 CONNECTIONS_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
 EDGE_KEYS = (
@@ -87,12 +87,6 @@ def connection_limit(bootstrap: dict[str, Any]) -> int:
     (monitor,) = [m for m in monitors if m["name"] == CONNECTIONS_MONITOR]
     limit: int = monitor["typed_config"]["max_active_downstream_connections"]
     return limit
-
-
-def sidecar_split_bootstrap() -> dict[str, Any]:
-    text = one(SIDECAR_SPLIT, "ConfigMap", "llm-gateway-envoy-split")["data"]["envoy.yaml"]
-    bootstrap: dict[str, Any] = yaml.safe_load(text)
-    return bootstrap
 
 
 def all_bootstraps() -> dict[str, dict[str, Any]]:

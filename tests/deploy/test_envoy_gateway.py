@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.test_manifests import (
+from tests.deploy.manifests import (
     EG_POLICY,
     duration_s,
     envoy_reference,

@@ -18,7 +18,7 @@ import yaml
 from kvgate.admin.auth import is_loopback_listen
 from kvgate.config import parse_config
 from tests.admin.pki import Pki, needs_openssl
-from tests.deploy.test_manifests import (
+from tests.deploy.manifests import (
     DEPLOY,
     EG_POLICY,
     KVGATE_DEPLOYMENT,

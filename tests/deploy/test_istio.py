@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from testbed.harness import ManagedProcess, _bin, free_port, validate_envoy_config
-from tests.deploy.test_manifests import (
+from tests.deploy.manifests import (
     EXT_PROC,
     HCM,
     ISTIO_FILTERS,

@@ -10,7 +10,7 @@ import yaml
 
 from kvgate.admin.auth import OperatorAuth, OperatorTokens, is_loopback_listen
 from kvgate.config import parse_config
-from tests.deploy.test_manifests import container, kvgate_config_of, rel, workload_files
+from tests.deploy.manifests import container, kvgate_config_of, rel, workload_files
 
 ROOT = Path(__file__).resolve().parents[2]
 

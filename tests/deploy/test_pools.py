@@ -37,16 +37,13 @@ import yaml
 
 from kvgate.config import parse_config
 from testbed.harness import ManagedProcess, _bin, free_port
-from tests.deploy.test_edge_and_layouts import (
-    EG_SPLIT,
-    ISTIO_SPLIT,
-    sidecar_split_bootstrap,
-)
-from tests.deploy.test_manifests import (
+from tests.deploy.manifests import (
     DEPLOY,
     EG_POLICY,
+    EG_SPLIT,
     EXT_PROC,
     ISTIO_FILTERS,
+    ISTIO_SPLIT,
     KVGATE_DEPLOYMENT,
     KVGATE_DEPLOYMENT_POOL,
     POOL_SERVICE,
@@ -68,6 +65,7 @@ from tests.deploy.test_manifests import (
     one,
     rel,
     sidecar_bootstrap,
+    sidecar_split_bootstrap,
 )
 
 ISTIO_GATEWAY = ISTIO_FILTERS[0]

@@ -26,7 +26,7 @@ import yaml
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-from tests.deploy.test_manifests import _docs, k8s_files
+from tests.deploy.manifests import docs, k8s_files
 
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 K8S_SCHEMAS = SCHEMAS / "kubernetes" / "v1.34.0-local-strict"
@@ -168,7 +168,7 @@ def errors(obj: dict[str, Any]) -> list[str]:
 def _objects() -> list[Any]:
     out = []
     for path in k8s_files():
-        for i, obj in enumerate(_docs(path)):
+        for i, obj in enumerate(docs(path)):
             name = obj.get("metadata", {}).get("name") if isinstance(obj, dict) else None
             label = f"{path.relative_to(SCHEMAS.parents[2])}#{i}:{obj.get('kind')}/{name}"
             out.append(pytest.param(obj, id=label))

@@ -55,7 +55,7 @@ from testbed.harness import (
     tenant_totals,
     wait_until,
 )
-from tests.deploy.test_manifests import NOT_ADMITTED, istio_inbound_bootstrap, shipped_bootstraps
+from tests.deploy.manifests import NOT_ADMITTED, istio_inbound_bootstrap, shipped_bootstraps
 
 MODEL = DEFAULT_MODEL_NAME
 CHAT = "/v1/chat/completions"

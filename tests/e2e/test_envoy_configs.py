@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -17,36 +16,13 @@ from testbed.harness import (
     render_envoy_config,
     validate_envoy_config,
 )
-
-CONFIG_DIRS = [REPO_ROOT / "envoy", REPO_ROOT / "deploy"]
-
-
-def _yaml_documents(path: Path) -> list[Any]:
-    try:
-        return list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
-    except yaml.YAMLError:
-        return []
-
-
-def _is_envoy_bootstrap(path: Path) -> bool:
-    docs = _yaml_documents(path)
-    return (
-        len(docs) == 1
-        and isinstance(docs[0], dict)
-        and ("static_resources" in docs[0] or "admin" in docs[0])
-    )
-
-
-def envoy_bootstraps() -> list[Path]:
-    found: list[Path] = []
-    for base in CONFIG_DIRS:
-        if base.is_dir():
-            found += [
-                p
-                for p in sorted(base.rglob("*.y*ml"))
-                if p.suffix in (".yaml", ".yml") and _is_envoy_bootstrap(p)
-            ]
-    return found
+from tests.deploy.manifests import (
+    check_guard_routes,
+    check_local_reply_config,
+    ingress_hcm,
+    removed_prefixes,
+)
+from tests.e2e.envoy_configs import envoy_bootstraps
 
 
 def _assert_valid(path: Path) -> None:
@@ -119,13 +95,6 @@ def test_rendered_config_without_the_template_backend(tmp_path: Path) -> None:
 def test_rendered_config_keeps_the_edge(config: Path, tmp_path: Path) -> None:
     """What the e2e tests run is what ships: the harness's rendering keeps the routing guard
     and the client-header settings; only the pass-through route follows the backend."""
-    from tests.deploy.test_manifests import (
-        check_guard_routes,
-        check_local_reply_config,
-        ingress_hcm,
-        removed_prefixes,
-    )
-
     dst = render_envoy_config(
         config,
         tmp_path / "envoy.yaml",

@@ -18,7 +18,7 @@ import pytest
 from kvgate.tokenize import PromptCounter
 from testbed.demo_model import demo_model_dir
 from testbed.harness import DEFAULT_MODEL_NAME, SimOptions, Stack, kvgate_metrics, wait_until
-from tests.e2e.test_core_path import document_messages
+from tests.e2e.support import document_messages
 
 POOL = "vllm-pool"
 BLOCK = 16

@@ -15,7 +15,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from testbed.harness import DEFAULT_MODEL_NAME, Stack
-from tests.e2e.test_tracing_e2e import OtlpReceiver
+from tests.e2e.otlp import OtlpReceiver
 
 CHAT = "/v1/chat/completions"
 BODY = {

@@ -34,7 +34,7 @@ from testbed.harness import (
     sim_stats,
     wait_until,
 )
-from tests.e2e.test_core_path import assert_openai_error, document_messages
+from tests.e2e.support import assert_openai_error, document_messages
 
 POOL = "vllm-pool"
 BLOCKS = 500

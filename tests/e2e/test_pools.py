@@ -28,7 +28,7 @@ from testbed.harness import (
     wait_until,
 )
 from testbed.redis_harness import RedisStack
-from tests.e2e.test_core_path import assert_openai_error, document_messages
+from tests.e2e.support import assert_openai_error, document_messages
 
 POOL = "vllm-pool"
 REPLICAS = 3

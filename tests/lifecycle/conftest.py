@@ -18,6 +18,7 @@ from kvgate.policy import Decision
 from kvgate.store import MemoryStore
 from kvgate.tokenize import PromptCounter, TokenizerService
 from testbed.demo_model import demo_model_dir
+from tests.lifecycle.support import Pool, pool_config
 
 MODEL = "qwen2.5-demo"
 
@@ -103,3 +104,11 @@ async def make_lifecycle(**tenant_limits: Any) -> AsyncIterator[Lifecycle]:
 async def life() -> AsyncIterator[Lifecycle]:
     async for value in make_lifecycle():
         yield value
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[Pool]:
+    value = Pool(pool_config())
+    await value.start()
+    yield value
+    await value.close()

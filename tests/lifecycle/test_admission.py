@@ -10,16 +10,7 @@ from kvgate.lifecycle import Rejected
 from kvgate.openai import parse_request
 from kvgate.policy import Reason
 from tests.lifecycle.conftest import MODEL, Lifecycle, make_lifecycle
-
-CHAT = "/v1/chat/completions"
-
-
-def chat(content: str = "hello there", **fields: object) -> bytes:
-    import json
-
-    return json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
-    ).encode()
+from tests.lifecycle.support import CHAT, chat
 
 
 async def admit(life: Lifecycle, body: bytes, request_id: str = "r1"):  # type: ignore[no-untyped-def]

@@ -9,9 +9,7 @@ from kvgate.extproc.outcomes import api_error
 from kvgate.lifecycle import Rejected
 from kvgate.openai.errors import invalid_request, rate_limited, without_addresses
 from kvgate.policy import Reason
-from tests.lifecycle.test_scheduler import ENDPOINTS, Pool, pool, pool_config
-
-__all__ = ["pool"]  # the fixture, used by name
+from tests.lifecycle.support import ENDPOINTS, Pool, pool_config
 
 
 def assert_names_no_endpoint(rejected: Rejected) -> str:

@@ -6,7 +6,7 @@ from kvgate.lifecycle import ResponseReading
 from kvgate.openai import parse_request
 from kvgate.policy import ActualUsage, SettleCause
 from tests.lifecycle.conftest import MODEL, Lifecycle
-from tests.lifecycle.test_admission import CHAT, chat
+from tests.lifecycle.support import CHAT, chat
 
 
 async def test_settles_once_and_books_the_usage(life: Lifecycle) -> None:

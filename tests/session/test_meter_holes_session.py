@@ -11,7 +11,7 @@ from tests.session.conftest import (
     response_headers_msg,
     sse_events,
 )
-from tests.session.test_session import CHAT, chunk
+from tests.session.support import CHAT, chunk
 
 
 async def test_body_without_end_of_stream_is_the_admission_point(rig: SessionRig) -> None:

@@ -12,8 +12,7 @@ from opentelemetry.trace import get_current_span
 from kvgate.config.model import TracingConfig
 from kvgate.tracing import Tracing
 from tests.session.conftest import SessionRig, _rig, body_msg, headers_msg, make_config
-from tests.session.test_session import CHAT, error_of
-from tests.session.test_tracing_session import run_stream, traced_rig
+from tests.session.support import CHAT, error_of, run_stream, traced_rig
 
 PRIORITY_HEADER = "kvgate-priority"
 

@@ -18,48 +18,11 @@ from tests.session.conftest import (
     response_headers_msg,
     sse_events,
 )
-
-CHAT = {
-    "model": "qwen2.5-demo",
-    "messages": [{"role": "user", "content": "Write a haiku about KV caches."}],
-    "max_tokens": 64,
-}
-
-
-def chunk(content: str | None = None, role: bool = False, finish: str | None = None) -> dict:
-    delta: dict = {"role": "assistant", "content": ""} if role else {"content": content}
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "qwen2.5-demo",
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-
-
-def usage_event(prompt: int, completion: int) -> dict:
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "qwen2.5-demo",
-        "choices": [],
-        "usage": {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + completion,
-            "completion_tokens": completion,
-        },
-    }
+from tests.session.support import CHAT, chunk, error_of, usage_event
 
 
 async def expected_prompt_tokens(rig: SessionRig, body: dict) -> int:
     return await rig.server.tokenizers.count_chat(body["model"], body["messages"])
-
-
-def error_of(reply) -> tuple[int, dict, dict[str, str]]:
-    assert reply.WhichOneof("response") == "immediate_response"
-    imm = reply.immediate_response
-    return imm.status.code, json.loads(imm.body), header_values(imm.headers)
 
 
 @pytest.mark.parametrize(("key", "code"), [(None, None), ("sk-wrong", "invalid_api_key")])

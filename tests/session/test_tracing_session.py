@@ -3,7 +3,6 @@ decision and settlement spans out (an in-memory exporter in place of OTLP)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,43 +11,17 @@ from opentelemetry.trace import StatusCode
 
 from kvgate.tracing import Tracing
 from tests.session.conftest import (
-    SessionRig,
-    _rig,
     body_msg,
     headers_msg,
-    make_config,
     response_body_msg,
     response_headers_msg,
     sse_events,
 )
-from tests.session.test_session import CHAT, chunk, usage_event
+from tests.session.support import CHAT, chunk, run_stream, traced_rig
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 ENVOY_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{ENVOY_SPAN}-01"
-
-
-async def traced_rig(exporter: InMemorySpanExporter, **tracing: Any) -> AsyncIterator[SessionRig]:
-    config = make_config()
-    config["tracing"] = {"enabled": True, **tracing}
-    async for rig in _rig(config, span_exporter=exporter):
-        yield rig
-
-
-async def run_stream(rig: SessionRig, extra_headers: dict[str, str]) -> int:
-    """One streamed chat, admitted, answered and settled; returns its prompt tokens."""
-    body = dict(CHAT, stream=True)
-    prompt = await rig.server.tokenizers.count_chat(body["model"], body["messages"])
-    stream = rig.stream()
-    await stream.exchange(headers_msg(extra=extra_headers))
-    reply = await stream.exchange(body_msg(body))
-    assert reply.WhichOneof("response") == "request_body"
-    await stream.exchange(response_headers_msg())
-    events = [chunk(role=True), chunk(" Hi", finish="stop"), usage_event(prompt, 2), "[DONE]"]
-    await stream.exchange(response_body_msg(sse_events(events), end_of_stream=True))
-    await stream.half_close()
-    assert await rig.in_flight() == (0, 0)  # drains the settlement's store write too
-    return prompt
 
 
 async def test_spans_join_envoys_trace() -> None:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from testbed.demo_model import DEMO_MODEL_NAME
 
@@ -49,3 +50,24 @@ async def wait_for(client: TestClient, predicate: Any, within_s: float = 5.0) ->
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not reached; last stats: {snap}")
         await asyncio.sleep(0.02)
+
+
+LABELS = {"model_name": MODEL, "engine": "0"}
+
+
+async def scrape(client: TestClient) -> dict[str, list[tuple[dict[str, str], float]]]:
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(await resp.text()):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    wanted = {**LABELS, **labels}
+    matches = [v for lab, v in samples[name] if lab == wanted]
+    assert len(matches) == 1, (name, samples.get(name))
+    return matches[0]

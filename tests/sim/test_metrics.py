@@ -4,31 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp.test_utils import TestClient
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.sim.conftest import MakeClient
-from tests.sim.helpers import CHAT, MODEL, chat_body, stats, wait_for
-
-LABELS = {"model_name": MODEL, "engine": "0"}
-
-
-async def scrape(client: TestClient) -> dict[str, list[tuple[dict[str, str], float]]]:
-    resp = await client.get("/metrics")
-    assert resp.status == 200
-    assert resp.headers["Content-Type"].startswith("text/plain")
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(await resp.text()):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
-    return out
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    wanted = {**LABELS, **labels}
-    matches = [v for lab, v in samples[name] if lab == wanted]
-    assert len(matches) == 1, (name, samples.get(name))
-    return matches[0]
+from tests.sim.helpers import CHAT, chat_body, scrape, stats, value, wait_for
 
 
 async def test_metric_names_and_labels(make_client: MakeClient) -> None:

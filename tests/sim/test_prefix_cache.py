@@ -15,8 +15,16 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from tests.sim.conftest import MakeClient
-from tests.sim.helpers import CHAT, COMPLETIONS, MODEL, event_json, split_sse, stats
-from tests.sim.test_metrics import scrape, value
+from tests.sim.helpers import (
+    CHAT,
+    COMPLETIONS,
+    MODEL,
+    event_json,
+    scrape,
+    split_sse,
+    stats,
+    value,
+)
 from vllm_sim.cli import build_parser, config_from_args
 from vllm_sim.engine import KVEngine, SimRequest
 from vllm_sim.tokenization import SimTokenizer
