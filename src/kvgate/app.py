@@ -43,9 +43,16 @@ from kvgate.config.secrets import redis_passwords, url_has_password
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.handoff import HandoffRegistry
 from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler, Ticket
+from kvgate.lifecycle.answer_sources import AnswerSource
+from kvgate.lifecycle.idempotency import IdempotencySource, TenantWaiters
 from kvgate.lifecycle.leases import renew_interval_s
+from kvgate.lifecycle.response_cache import ExactCacheSource
 from kvgate.lifecycle.scheduler import PoolScheduler
-from kvgate.lifecycle.semantic_cache import SemanticCache, build_semantic_cache
+from kvgate.lifecycle.semantic_cache import (
+    SemanticCache,
+    SemanticCacheSource,
+    build_semantic_cache,
+)
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.metrics import Metrics
 from kvgate.metrics.definitions import (
@@ -178,9 +185,7 @@ class KvgateServer:
                 on_released=self._released,
             ),
             scheduler=self.scheduler,
-            idempotency=self._idempotency_store,
-            response_cache=self._response_cache_store,
-            semantic_cache=self.semantic_cache,
+            answer_sources=self._answer_sources(tasks),
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -190,6 +195,17 @@ class KvgateServer:
         self.admin_port = 0
         self.grpc_port = 0
         self.http_port = 0
+
+    def _answer_sources(self, tasks: BackgroundTasks) -> list[AnswerSource]:
+        """What may answer a request instead of a backend, in the order each is asked: a
+        new cache is one AnswerSource and one line here."""
+        sources: list[AnswerSource] = [
+            IdempotencySource(self._idempotency_store, TenantWaiters(), self.metrics, tasks.track),
+            ExactCacheSource(self._response_cache_store, self.metrics, tasks.track),
+        ]
+        if self.semantic_cache is not None:
+            sources.append(SemanticCacheSource(self.semantic_cache, self.metrics, tasks.track))
+        return sources
 
     def _build_store(self, config: KvgateConfig) -> StateStore:
         """The memory store, or Redis behind the failure policy (a change needs a restart)."""

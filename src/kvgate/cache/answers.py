@@ -31,7 +31,11 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
 
+# What an answer store raises when it cannot be reached in time: its callers' failure policy
+# (fail open or closed) decides, and no caller needs to know which store it was.
+ANSWER_STORE_FAILURES: tuple[type[BaseException], ...] = (TimeoutError, RedisError, OSError)
 # What an entry costs besides its key and answer (the store's own bookkeeping); a lock is
 # charged this much, so a lock can always be turned into a not-kept marker in place.
 ENTRY_OVERHEAD_BYTES = 512

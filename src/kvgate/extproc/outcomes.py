@@ -7,13 +7,10 @@ import enum
 
 from kvgate.extproc.ratelimit_headers import rate_limit_headers
 from kvgate.lifecycle.admission import Rejection
-from kvgate.lifecycle.ticket import Ticket
+from kvgate.lifecycle.ticket import Ticket, served_otherwise_headers
 from kvgate.openai import ApiError
 from kvgate.openai import errors as api_errors
 from kvgate.policy import Reason
-
-FALLBACK_HEADER = "x-kvgate-fallback"
-CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
 
 # Waiting cannot help these: a 400 naming the field, with no Retry-After.
 _TOO_LARGE = frozenset({Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM})
@@ -85,9 +82,4 @@ def api_error(rejection: Rejection) -> ApiError:
 
 def answer_headers(ticket: Ticket) -> dict[str, str]:
     """Headers for an admitted request's answer: x-ratelimit-*, fallback and clamp notices."""
-    headers = rate_limit_headers(ticket.rate_limits)
-    if ticket.fallback_from is not None:
-        headers[FALLBACK_HEADER] = f"{ticket.fallback_from} -> {ticket.route.name}"
-    if ticket.clamped_from is not None:
-        headers[CLAMP_HEADER] = f"{ticket.clamped_from} -> {ticket.max_new_tokens}"
-    return headers
+    return rate_limit_headers(ticket.rate_limits) | served_otherwise_headers(ticket)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from kvgate.cache.answers import AnswerStore, MemoryAnswerStore
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
 from kvgate.config.snapshot import RuntimeSnapshot
@@ -21,9 +20,9 @@ from kvgate.lifecycle import (
     Settler,
     Ticket,
 )
-from kvgate.lifecycle.idempotency import TenantWaiters
+from kvgate.lifecycle.answer_run import AnswerRun
+from kvgate.lifecycle.answer_sources import AnswerSource
 from kvgate.lifecycle.scheduler import PoolScheduler
-from kvgate.lifecycle.semantic_cache import SemanticCache
 from kvgate.metrics import Metrics
 from kvgate.policy import Clock, Decision, SettleCause
 from kvgate.store import StateStore
@@ -55,23 +54,11 @@ class GatewayServices:
         leases: LeaseKeeper,
         settler: Settler,
         scheduler: PoolScheduler | None = None,
-        idempotency: AnswerStore | None = None,
-        response_cache: AnswerStore | None = None,
-        semantic_cache: SemanticCache | None = None,
+        answer_sources: Sequence[AnswerSource] = (),
     ) -> None:
         self.scheduler = scheduler
-        # Idempotency-Key answers (memory, or Redis shared by replicas).
-        self.idempotency: AnswerStore = idempotency or MemoryAnswerStore(
-            snapshots.current.config.idempotency.memory_max_bytes
-        )
-        # Exact-match answers (the same store kinds, their own keys and bound).
-        self.response_cache: AnswerStore = response_cache or MemoryAnswerStore(
-            snapshots.current.config.response_cache.memory_max_bytes
-        )
-        # Similar questions' answers (None: the semantic cache is off).
-        self.semantic_cache = semantic_cache
-        # Duplicates waiting on a running Idempotency-Key, per tenant (bounded).
-        self.idempotency_waiters = TenantWaiters()
+        # What may answer a request instead of a backend, in the order asked (app.py).
+        self.answer_sources = tuple(answer_sources)
         self.snapshots = snapshots
         self.store = store
         self.tokenizers = tokenizers
@@ -94,6 +81,10 @@ class GatewayServices:
             track=self.track,
             scheduler=self.scheduler,
         )
+
+    def answer_run(self, sources: Sequence[AnswerSource]) -> AnswerRun:
+        """One request's walk through ``sources`` (those of ``answer_sources`` that apply)."""
+        return AnswerRun(sources, self.store, self.clock, self.metrics, self.track)
 
     def track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run work that must finish even though its stream is gone; shutdown waits for it."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import functools
 import json
@@ -27,21 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from prometheus_client import Counter
-from redis.exceptions import RedisError
 
-from kvgate.cache.answers import StoredAnswer
 from kvgate.config import hash_api_key
 from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages
 from kvgate.extproc.handoff import METADATA_KEY
-from kvgate.extproc.outcomes import (
-    CLAMP_HEADER,
-    FALLBACK_HEADER,
-    Answer,
-    answer_headers,
-    api_error,
-)
+from kvgate.extproc.outcomes import Answer, answer_headers, api_error
 from kvgate.extproc.priority_header import parse_priority_class
 from kvgate.extproc.route_settings import (
     BACKEND_KEY,
@@ -51,24 +41,11 @@ from kvgate.extproc.route_settings import (
 )
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Rejected, Rejection, ResponseMeter, ResponseReading, Ticket
-from kvgate.lifecycle.admission import rejection_of
+from kvgate.lifecycle.answer_sources import AnswerQuery, Hit
 from kvgate.lifecycle.digest import body_digest
-from kvgate.lifecycle.idempotency import AnswerRecorder, KeyVerdict, claim_key
-from kvgate.lifecycle.response_cache import (
-    SHARED_SCOPE,
-    CacheLookup,
-    CacheResult,
-    cache_key,
-    cache_quota,
-    cache_scope,
-    cacheable,
-    charge_hit,
-)
-from kvgate.lifecycle.response_cache import lookup as cache_lookup
-from kvgate.lifecycle.semantic_cache import SemanticResult, semantic_query
-from kvgate.lifecycle.semantic_cache import applies as semantic_applies
-from kvgate.lifecycle.semantic_cache import lookup as semantic_lookup
-from kvgate.lifecycle.usage_report import record_cache_hit, tenant_usage_report
+from kvgate.lifecycle.response_cache import CACHE_HEADER
+from kvgate.lifecycle.ticket import served_otherwise_headers
+from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
 from kvgate.openai import errors as api_errors
 from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy, pico_to_usd, shadowed
@@ -93,19 +70,12 @@ DESTINATION_HEADER = "x-kvgate-destination"
 # The priority class a request asks for in a pool's queue (allowed per tenant).
 PRIORITY_HEADER = "kvgate-priority"
 IDEMPOTENCY_HEADER = "idempotency-key"
-# On every answer to a metered request: hit | miss | bypass.
-CACHE_HEADER = "x-kvgate-cache"
-# On a semantic hit: the cosine similarity of the stored question that answered.
-SIMILARITY_HEADER = "x-kvgate-cache-similarity"
 # Bodies larger than this are parsed on a worker thread, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
 # instead of chunk by chunk. Well below the 8 MiB buffer limit of the shipped configs:
 # Envoy fails a BUFFERED body over its limit, so larger or unsized answers stay STREAMED.
 BUFFERED_ANSWER_MAX_BYTES = 1024 * 1024
-# A tenant with no room for another Idempotency-Key: when to try again (its oldest keys
-# are not known to the replica; a minute is the scale on which keys and answers expire).
-KEYS_EXHAUSTED_RETRY_S = 60
 # HTTP's optional whitespace (RFC 9110 5.6.3): the only padding trimmed from a credential.
 # str.strip() would also drop U+00A0, U+3000, U+2028, U+0085 ..., so "key\u3000" would
 # authenticate as "key".
@@ -159,19 +129,6 @@ class _RouteRefusal(Exception):
     def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _AnswerSources:
-    """The answer sources that may answer a request, in the order they are asked."""
-
-    idempotency: bool = False
-    exact: bool = False
-    semantic: bool = False
-
-    @property
-    def any(self) -> bool:
-        return self.idempotency or self.exact or self.semantic
 
 
 def _json_content_type(value: str | None) -> bool:
@@ -230,13 +187,10 @@ class StreamSession:
         # A pool's queue: the request's priority class, the decision deadline kvgate moves
         # while it waits, and the extension for Envoy (see handle_with_interim).
         self._priority = 0
-        # Idempotency-Key: the client's key, and this request's run when it holds it.
+        # Idempotency-Key: the client's key, if it sent one.
         self._idempotency_key: str | None = None
-        # What keeps this request's answer: its Idempotency-Key, a response-cache entry.
-        self._recorders: list[AnswerRecorder] = []
-        # This request's Idempotency-Key recorder (among _recorders), if it runs for a key.
-        self._key_recorder: AnswerRecorder | None = None
-        self._cache_header: str = CacheResult.BYPASS.value
+        # The answer sources' walk for this request and the recorders keeping its answer.
+        self._answers = services.answer_run(())
         self._deadline: asyncio.Timeout | None = None
         self._interim: asyncio.Future[pb.ProcessingResponse] | None = None
         # When the request body's message arrived (loop time), and whether its deadlines
@@ -546,29 +500,31 @@ class StreamSession:
             raise _RouteRefusal(api_errors.model_not_found(request.model))
         admission_id = _admission_id(self.request_id)
         admission = self._svc.admission(self._snapshot)
-        sources = self._answer_sources(request)
+        query = AnswerQuery(
+            request=request,
+            tenant=self._tenant_policy,
+            snapshot=self._snapshot,
+            owner=admission_id,
+            route_backend=route.backend if isinstance(route, RouteSettings) else None,
+            idempotency_key=self._idempotency_key,
+            on_wait=self._on_queued,
+            # The split layout's request path never sees the answer: it cannot be kept.
+            sees_answer=not self._answer_seen_elsewhere,
+        )
+        sources = [source for source in self._svc.answer_sources if source.applies(query)]
+        self._answers = self._svc.answer_run(sources)
         slot_taken = False
-        digest = ""
-        if sources.any:
+        if sources:
             # What the answer layer does for a tenant is a request it made: the RPM slot is
             # taken first, in O(1), so a tenant over its limit gets its 429 before any of
             # the body is digested, looked up, embedded or waited on.
             slot_taken = await admission.take_request_slot(
                 request, self._tenant_policy, admission_id
             )
-            digest = await self._digest(request)
-            if sources.idempotency:
-                answered = await self._claim_idempotency_key(admission_id, digest)
-                if answered is not None:
-                    return answered
+            hit = await self._answers.lookup(query, await self._digest(request))
+            if hit is not None:
+                return self._answered(hit)
         try:
-            answered = None
-            if sources.exact:
-                answered = await self._response_cache(request, admission_id, digest)
-            if answered is None and sources.semantic:
-                answered = await self._semantic_cache(request, admission_id)
-            if answered is not None:
-                return answered
             ticket = await admission.admit(
                 request,
                 self._tenant_policy,
@@ -581,11 +537,9 @@ class StreamSession:
             )
         except BaseException:
             # Refused, or the client left: nothing ran, so a retry with the key runs anew.
-            for recorder in self._recorders:
-                recorder.abandon()
-            self._recorders.clear()
+            self._answers.abandon()
             raise
-        self._keep_what_serves(ticket)
+        self._answers.keep_what_serves(served_otherwise_headers(ticket))
         # Exact output counts need the usage event; when the client did not ask for it, the
         # response meter strips it again before the client sees it. An observing stream
         # cannot strip anything, so in the split layout nothing is injected.
@@ -620,26 +574,6 @@ class StreamSession:
             route_headers, new_body=new_body, dynamic_metadata=self._metadata("admitted")
         )
 
-    def _answer_sources(self, request: ParsedRequest) -> _AnswerSources:
-        """Which answer sources may answer this request: config and O(1) checks only."""
-        assert self.tenant is not None
-        if self._answer_seen_elsewhere:
-            # The split layout's request path never sees the answer: it cannot be kept.
-            return _AnswerSources()
-        snapshot = self._snapshot
-        config = snapshot.config
-        tenant_config = snapshot.tenant_configs.get(self.tenant)
-        model = snapshot.model_configs.get(request.model)
-        exact = cacheable(request, config.response_cache, tenant_config, model)
-        if not exact:
-            self._svc.metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
-        return _AnswerSources(
-            idempotency=self._idempotency_key is not None,
-            exact=exact,
-            semantic=self._svc.semantic_cache is not None
-            and semantic_applies(config.semantic_cache, tenant_config, model),
-        )
-
     async def _digest(self, request: ParsedRequest) -> str:
         """The body's one canonical digest (key order and spacing aside), off the event loop
         in the tenant's fair share of the workers when the body is large."""
@@ -661,29 +595,6 @@ class StreamSession:
                     retry_after_s=busy.retry_after_s,
                 )
             ) from None
-
-    def _keep_what_serves(self, ticket: Ticket) -> None:
-        """What is stored must be what was asked: an answer from another model (a budget
-        fallback) or with fewer tokens (a clamp) is kept for the Idempotency-Key (with the
-        headers that say so, replayed) but never cached as the request's answer."""
-        describing = {
-            name: value
-            for name, value in answer_headers(ticket).items()
-            if name in (FALLBACK_HEADER, CLAMP_HEADER)
-        }
-        if not describing:
-            return
-        kept: list[AnswerRecorder] = []
-        for recorder in self._recorders:
-            if recorder is self._key_recorder:
-                recorder.describe(describing)
-                kept.append(recorder)
-            else:
-                recorder.abandon()
-                self._svc.metrics.answers_not_stored.labels("served_otherwise").inc()
-        if len(kept) != len(self._recorders):
-            self._cache_header = CacheResult.BYPASS.value
-        self._recorders = kept
 
     def _message_wait_s(self) -> float:
         """The longest the request body's message may wait in all: its Idempotency-Key's
@@ -758,253 +669,17 @@ class StreamSession:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def _claim_idempotency_key(self, owner: str, digest: str) -> pb.ProcessingResponse | None:
-        """Run (None: admission goes on), or answer from the key: the stored answer, 422
-        for another body, 409 while the first request still runs or when its answer was
-        not kept, 429 when the tenant has no room for another key or waiter."""
-        assert self._idempotency_key is not None and self.tenant is not None
-        store = self._svc.idempotency
-        settings = self._snapshot.config.idempotency
-        metrics = self._svc.metrics
-        try:
-            outcome = await claim_key(
-                store,
-                settings,
-                tenant=self.tenant,
-                key=self._idempotency_key,
-                fingerprint=digest,
-                owner=owner,
-                lock_ttl_s=self._snapshot.config.server.lease_ttl_s,
-                on_wait=self._on_queued,
-                track=self._svc.track,
-                waiters=self._svc.idempotency_waiters,
-                on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
-                stream=self._request.stream if self._request is not None else None,
-            )
-        except (TimeoutError, RedisError, OSError) as exc:
-            config = self._snapshot.config
-            if config.uses_redis and config.redis.failure_policy == "fail_closed":
-                raise Rejected(
-                    Rejection(
-                        Reason.STORE_UNAVAILABLE,
-                        "kvgate cannot reach its shared state store to check this "
-                        "Idempotency-Key. Please retry.",
-                        retry_after_s=config.redis.unavailable_retry_after_s,
-                    )
-                ) from exc
-            # fail_open: the request runs without its key's protection (counted): a retry
-            # while the store is down may run again, and is charged again.
-            metrics.idempotent_requests.labels("unchecked").inc()
-            log.warning("idempotency store unavailable; the request runs unchecked: %s", exc)
-            return None
-        if isinstance(outcome, AnswerRecorder):
-            self._recorders.append(outcome)
-            self._key_recorder = outcome
-            metrics.idempotent_requests.labels("started").inc()
-            return None
-        metrics.idempotent_requests.labels(outcome.verdict.value).inc()
-        if outcome.verdict is KeyVerdict.REPLAY:
-            assert outcome.answer is not None
-            answer = outcome.answer
-            metrics.requests.labels("answered", "idempotent_replay").inc()
-            self.phase = Phase.REJECTED  # answered by kvgate: nothing to meter
-            return messages.immediate_response(
-                answer.status,
-                answer.body,
-                {
-                    **dict(answer.headers),
-                    "content-type": answer.content_type,
-                    "idempotent-replayed": "true",
-                },
-                details="kvgate_idempotent_replay",
-                dynamic_metadata=self._metadata("idempotent_replay"),
-            )
-        if outcome.verdict is KeyVerdict.NOT_KEPT:
-            assert outcome.answer is not None
-            raise api_errors.idempotency_answer_not_kept(outcome.answer.not_kept)
-        if outcome.verdict is KeyVerdict.MISMATCH:
-            raise api_errors.idempotency_key_reused()
-        if outcome.verdict is KeyVerdict.TOO_MANY_WAITING:
-            raise api_errors.idempotency_waiters_exceeded(retry_after_s=1)
-        if outcome.verdict is KeyVerdict.QUOTA_EXHAUSTED:
-            metrics.answers_not_stored.labels("no_room").inc()
-            raise api_errors.idempotency_keys_exhausted(retry_after_s=KEYS_EXHAUSTED_RETRY_S)
-        raise api_errors.idempotency_key_in_progress(retry_after_s=1)
-
-    async def _response_cache(
-        self, request: ParsedRequest, owner: str, digest: str
-    ) -> pb.ProcessingResponse | None:
-        """The stored answer for an identical request (a hit), or None: the request runs,
-        and on a miss its complete answer is stored."""
-        assert self.tenant is not None
-        config = self._snapshot.config
-        settings = config.response_cache
-        metrics = self._svc.metrics
-        model = self._snapshot.model_configs.get(request.model)
-        route = self._snapshot.models.get(request.model)
-        if route is None:
-            return None  # admission answers model_not_found
-        settings_backend = self._route.backend if isinstance(self._route, RouteSettings) else None
-        scope = cache_scope(
-            settings.scope == "model",
-            self.tenant,
-            self._snapshot.tenant_configs.get(self.tenant),
-            request.body,
-        )
-        key = cache_key(
-            request,
-            scope=scope,
-            digest=digest,
-            served_by=settings_backend or route.backend,
-            generation=model.cache_generation if model is not None else "",
-        )
-        try:
-            found = await cache_lookup(
-                self._svc.response_cache,
-                settings,
-                key=key,
-                tenant=self.tenant,
-                owner=owner,
-                lock_ttl_s=config.server.lease_ttl_s,
-                track=self._svc.track,
-                on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
-                stream=request.stream,
-            )
-        except (TimeoutError, RedisError, OSError) as exc:
-            log.warning("response cache unavailable; the request runs uncached: %s", exc)
-            found = CacheLookup(CacheResult.BYPASS)
-        self._cache_header = found.result.value
-        metrics.response_cache.labels(found.result.value).inc()
-        if found.recorder is not None:
-            self._recorders.append(found.recorder)
-        if found.answer is None:
-            return None
-        return await self._answer_from_cache(
-            request,
-            owner,
-            found.answer,
-            hit_charge=settings.hit_charge,
-            saved_tokens=metrics.response_cache_saved_tokens,
-            headers={CACHE_HEADER: CacheResult.HIT.value},
-            reason="response_cache_hit",
-        )
-
-    async def _semantic_cache(
-        self, request: ParsedRequest, owner: str
-    ) -> pb.ProcessingResponse | None:
-        """A similar question's stored answer, asked in the same context (a hit), or None:
-        the request runs, and on a miss its complete answer is stored and indexed."""
-        assert self.tenant is not None
-        cache = self._svc.semantic_cache
-        assert cache is not None
-        config = self._snapshot.config
-        settings = config.semantic_cache
-        metrics = self._svc.metrics
-        model = self._snapshot.model_configs.get(request.model)
-        assert model is not None  # the model opted in
-        scope = cache_scope(
-            settings.scope == "model",
-            self.tenant,
-            self._snapshot.tenant_configs.get(self.tenant),
-            request.body,
-        )
-        query = semantic_query(request, scope, settings, model.cache_generation)
-        if query is None:
-            metrics.semantic_cache.labels(SemanticResult.BYPASS.value).inc()
-            return None
-        found = await semantic_lookup(
-            cache,
-            settings,
-            query,
-            owner=owner,
-            lock_ttl_s=config.server.lease_ttl_s,
-            track=self._svc.track,
-            quota=cache_quota(config.response_cache, self.tenant),
-            tenant=self.tenant,
-            on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
-        )
-        metrics.semantic_cache.labels(found.result.value).inc()
-        if found.bypass_reason is not None:
-            metrics.semantic_cache_bypasses.labels(found.bypass_reason).inc()
-        if found.guard_refusals:
-            metrics.semantic_cache_guard_refusals.inc(found.guard_refusals)
-        if found.recorder is not None:
-            self._recorders.append(found.recorder)
-            self._cache_header = CacheResult.MISS.value
-        if found.answer is None:
-            return None
-        metrics.semantic_cache_similarity.observe(found.similarity)
-        headers = {CACHE_HEADER: SemanticResult.HIT.value}
-        if scope != SHARED_SCOPE:
-            # Only about the tenant's own question: across tenants a hit reveals nothing
-            # beyond the answer.
-            headers[SIMILARITY_HEADER] = f"{found.similarity:.4f}"
-        return await self._answer_from_cache(
-            request,
-            owner,
-            found.answer,
-            hit_charge=settings.hit_charge,
-            saved_tokens=metrics.semantic_cache_saved_tokens,
-            headers=headers,
-            reason="semantic_cache_hit",
-        )
-
-    async def _answer_from_cache(
-        self,
-        request: ParsedRequest,
-        owner: str,
-        answer: StoredAnswer,
-        *,
-        hit_charge: str,
-        saved_tokens: Counter,
-        headers: dict[str, str],
-        reason: str,
-    ) -> pb.ProcessingResponse:
-        """Answer with a stored answer: charged as configured, booked in the ledger and
-        counted in `saved_tokens` (the cache's own counter), nothing forwarded. Its RPM
-        slot was taken before the lookup."""
-        assert self._tenant_policy is not None and self.tenant is not None
-        route = self._snapshot.models.get(request.model)
-        if hit_charge == "full" and route is not None:
-            decision = await charge_hit(
-                self._svc.store, self._tenant_policy, route, answer, owner, slot_taken=True
-            )
-            if not decision.admitted:
-                raise Rejected(rejection_of(decision))
-        saved = answer.prompt_tokens + answer.output_tokens
-        saved_tokens.labels(self.tenant, request.model).inc(saved)
-        self._svc.track(self._book_cache_hit(request.model, saved))
-        # A hit completes this request's Idempotency-Key too: its duplicates replay it. A
-        # cache entry this request would have made is given up: a semantic hit's answer is
-        # not the exact answer to this request.
-        for recorder in self._recorders:
-            if recorder is not self._key_recorder:
-                recorder.abandon()
-                continue
-            recorder.on_headers(answer.status, answer.content_type)
-            recorder.on_chunk(answer.body)
-            recorder.finish(SettleCause.COMPLETED)
-        self._recorders.clear()
+    def _answered(self, hit: Hit) -> pb.ProcessingResponse:
+        """A stored answer answers the request: nothing is forwarded or metered."""
         self.phase = Phase.REJECTED  # answered by kvgate: nothing to meter
-        self._svc.metrics.requests.labels("answered", reason).inc()
+        self._svc.metrics.requests.labels("answered", hit.reason).inc()
         return messages.immediate_response(
-            answer.status,
-            answer.body,
-            {"content-type": answer.content_type, **headers},
-            details=f"kvgate_{reason}",
-            dynamic_metadata=self._metadata(reason),
+            hit.answer.status,
+            hit.answer.body,
+            {**dict(hit.headers), "content-type": hit.answer.content_type},
+            details=f"kvgate_{hit.reason}",
+            dynamic_metadata=self._metadata(hit.reason),
         )
-
-    async def _book_cache_hit(self, model: str, saved_tokens: int) -> None:
-        """The ledger records the hit and the tokens it saved (after the answer: a store
-        that is slow or down delays and fails no hit)."""
-        assert self.tenant is not None
-        try:
-            await record_cache_hit(
-                self._svc.store, self._svc.clock, self.tenant, model, saved_tokens
-            )
-        except StoreUnavailable as exc:
-            log.warning("a cache hit was not booked in the ledger: %s", exc)
 
     async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
         if len(body) <= PARSE_OFF_LOOP_BYTES:
@@ -1070,17 +745,16 @@ class StreamSession:
             status = 0
         content_type = headers.get("content-type", "")
         self._meter.on_headers(status, content_type)
-        for recorder in self._recorders:
-            recorder.on_headers(status, content_type)
+        self._answers.on_headers(status, content_type)
         self.phase = Phase.RESPONSE
         if http.end_of_stream:
             # A body-less answer (e.g. an upstream error with no body): settle now.
             await self._settle(self._end_cause())
             return messages.continue_response_headers(
-                {**answer_headers(self.ticket), CACHE_HEADER: self._cache_header}
+                {**answer_headers(self.ticket), CACHE_HEADER: self._answers.cache_header}
             )
         return messages.continue_response_headers(
-            {**answer_headers(self.ticket), CACHE_HEADER: self._cache_header},
+            {**answer_headers(self.ticket), CACHE_HEADER: self._answers.cache_header},
             buffer_body=not self._answer_seen_elsewhere
             and _small_json_answer(content_type, headers.get("content-length", "")),
         )
@@ -1089,8 +763,7 @@ class StreamSession:
         if not self.phase.unsettled or self._meter is None:
             return messages.continue_response_body()
         replacement = self._meter.on_chunk(http.body, end_of_stream=http.end_of_stream)
-        for recorder in self._recorders:
-            recorder.on_chunk(http.body if replacement is None else replacement)
+        self._answers.on_chunk(http.body if replacement is None else replacement)
         if not http.end_of_stream:
             return messages.continue_response_body(replacement)
         cause = self._end_cause()
@@ -1146,8 +819,7 @@ class StreamSession:
         # The store write is a tracked task of its own: it lands whatever happens to this
         # stream, and the answer's last chunk does not wait for it (a Redis round trip).
         charged, _ = self._svc.settler.settle(ticket, cause, reading)
-        for recorder in self._recorders:
-            recorder.finish(cause, charged)
+        self._answers.finish(cause, charged)
         return charged
 
     def close(self, *, shutting_down: bool) -> None:
@@ -1155,8 +827,7 @@ class StreamSession:
         went away (or Envoy gave up): settle with what was seen so far."""
         if self.phase is not Phase.SETTLED:
             # Cut before its answer ended: a retry with the key runs anew.
-            for recorder in self._recorders:
-                recorder.abandon()
+            self._answers.abandon()
         if not self.phase.unsettled or self.ticket is None:
             return
         self._svc.metrics.stream_disconnects.labels(self.phase.value).inc()

@@ -1,9 +1,10 @@
 """Idempotency-Key: the first request with a key runs, duplicates get its answer.
 
-Protocol-free: the adapter asks `claim_key` before admission and gets either an
-`AnswerRecorder` (this request runs; it records the answer as it passes and stores it at
-the end) or a `KeyOutcome` to answer with (the stored answer, or why not). The store
-(`kvgate.cache.answers`) decides atomically, across replicas when it is Redis.
+Protocol-free: `IdempotencySource`, the first answer source, asks `claim_key` before
+admission and gets either an `AnswerRecorder` (this request runs; it records the answer as
+it passes and stores it at the end) or a `KeyOutcome` to answer with (the stored answer, or
+why not). The store (`kvgate.cache.answers`) decides atomically, across replicas when it is
+Redis.
 
 Everything a key costs is the tenant's: the key and its answer count against the tenant's
 idempotency quota, and a duplicate that waits holds one of the tenant's few waiting places.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.cache.answers import (
+    ANSWER_STORE_FAILURES,
     AnswerQuota,
     AnswerStore,
     ClaimState,
@@ -28,8 +30,12 @@ from kvgate.cache.answers import (
     StoreResult,
 )
 from kvgate.config.model import IdempotencyConfig
+from kvgate.lifecycle.admission import Rejected, Rejection
+from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Bypass, Hit, Miss
+from kvgate.metrics import Metrics
+from kvgate.openai import errors as api_errors
 from kvgate.openai.completeness import answer_defect
-from kvgate.policy import ActualUsage, SettleCause
+from kvgate.policy import ActualUsage, Reason, SettleCause
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,9 @@ IDEMPOTENCY_NAMESPACE = "idempotency"
 # Why a completed answer was not kept (a duplicate is told, and nothing runs again).
 TOO_LARGE = "too_large"
 OVER_QUOTA = "over_quota"
+# A tenant with no room for another Idempotency-Key: when to try again (its oldest keys
+# are not known to the replica; a minute is the scale on which keys and answers expire).
+KEYS_EXHAUSTED_RETRY_S = 60
 
 
 class KeyVerdict(enum.Enum):
@@ -328,3 +337,85 @@ async def claim_key(
     finally:
         if waiting:
             waiters.leave(tenant)
+
+
+class IdempotencySource(AnswerSource):
+    """A request with an Idempotency-Key: it runs (its recorder keeps whatever answers it),
+    replays the key's stored answer, or is refused: 422 for another body under the key,
+    409 while the first request still runs or when its answer was not kept, 429 when the
+    tenant has no room for another key or waiter."""
+
+    name = "idempotency"
+
+    def __init__(
+        self,
+        store: AnswerStore,
+        waiters: TenantWaiters,
+        metrics: Metrics,
+        track: Callable[[Coroutine[Any, Any, None]], Any],
+    ) -> None:
+        self._store = store
+        self._waiters = waiters
+        self._metrics = metrics
+        self._track = track
+
+    def applies(self, query: AnswerQuery) -> bool:
+        return query.sees_answer and query.idempotency_key is not None
+
+    async def lookup(self, query: AnswerQuery, digest: str) -> Hit | Miss | Bypass:
+        assert query.idempotency_key is not None
+        config = query.snapshot.config
+        metrics = self._metrics
+        try:
+            outcome = await claim_key(
+                self._store,
+                config.idempotency,
+                tenant=query.tenant.name,
+                key=query.idempotency_key,
+                fingerprint=digest,
+                owner=query.owner,
+                lock_ttl_s=config.server.lease_ttl_s,
+                on_wait=query.on_wait,
+                track=self._track,
+                waiters=self._waiters,
+                on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
+                stream=query.request.stream,
+            )
+        except ANSWER_STORE_FAILURES as exc:
+            if config.uses_redis and config.redis.failure_policy == "fail_closed":
+                raise Rejected(
+                    Rejection(
+                        Reason.STORE_UNAVAILABLE,
+                        "kvgate cannot reach its shared state store to check this "
+                        "Idempotency-Key. Please retry.",
+                        retry_after_s=config.redis.unavailable_retry_after_s,
+                    )
+                ) from exc
+            # fail_open: the request runs without its key's protection (counted): a retry
+            # while the store is down may run again, and is charged again.
+            metrics.idempotent_requests.labels("unchecked").inc()
+            log.warning("idempotency store unavailable; the request runs unchecked: %s", exc)
+            return Bypass()
+        if isinstance(outcome, AnswerRecorder):
+            metrics.idempotent_requests.labels("started").inc()
+            return Miss(outcome, keeps_any_answer=True)
+        metrics.idempotent_requests.labels(outcome.verdict.value).inc()
+        answer = outcome.answer
+        if outcome.verdict is KeyVerdict.REPLAY:
+            assert answer is not None
+            return Hit(
+                answer,
+                {**dict(answer.headers), "idempotent-replayed": "true"},
+                reason="idempotent_replay",
+            )
+        if outcome.verdict is KeyVerdict.NOT_KEPT:
+            assert answer is not None
+            raise api_errors.idempotency_answer_not_kept(answer.not_kept)
+        if outcome.verdict is KeyVerdict.MISMATCH:
+            raise api_errors.idempotency_key_reused()
+        if outcome.verdict is KeyVerdict.TOO_MANY_WAITING:
+            raise api_errors.idempotency_waiters_exceeded(retry_after_s=1)
+        if outcome.verdict is KeyVerdict.QUOTA_EXHAUSTED:
+            metrics.answers_not_stored.labels("no_room").inc()
+            raise api_errors.idempotency_keys_exhausted(retry_after_s=KEYS_EXHAUSTED_RETRY_S)
+        raise api_errors.idempotency_key_in_progress(retry_after_s=1)

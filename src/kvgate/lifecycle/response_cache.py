@@ -21,15 +21,24 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.cache.answers import AnswerQuota, AnswerStore, ClaimState, StoredAnswer
+from kvgate.cache.answers import (
+    ANSWER_STORE_FAILURES,
+    AnswerQuota,
+    AnswerStore,
+    ClaimState,
+    StoredAnswer,
+)
 from kvgate.config.model import ModelConfig, ResponseCacheConfig, TenantConfig
 from kvgate.config.snapshot import ModelRoute
 from kvgate.lifecycle.admission import ANSWER_LEDGER, NO_KV
+from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Bypass, Hit, HitCharge, Miss
 from kvgate.lifecycle.idempotency import AnswerRecorder
+from kvgate.metrics import Metrics
 from kvgate.openai import ParsedRequest
 from kvgate.policy import (
     ActualUsage,
@@ -40,6 +49,10 @@ from kvgate.policy import (
 )
 from kvgate.store import StateStore
 
+log = logging.getLogger(__name__)
+
+# On every answer to a metered request: hit | miss | bypass.
+CACHE_HEADER = "x-kvgate-cache"
 # The store's namespace of cached answers, both caches' (quotas are per tenant and namespace).
 CACHE_NAMESPACE = "cache"
 
@@ -198,3 +211,83 @@ async def charge_hit(
             decision.reservation, SettleCause.COMPLETED, usage, cost_pico=cost, tenant=tenant
         )
     return decision
+
+
+class ExactCacheSource(AnswerSource):
+    """The exact-match cache as an answer source: a hit answers with the stored answer
+    (charged as `hit_charge` says), a miss stores this request's complete answer."""
+
+    name = "exact_cache"
+
+    def __init__(
+        self,
+        store: AnswerStore,
+        metrics: Metrics,
+        track: Callable[[Coroutine[Any, Any, None]], Any],
+    ) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._track = track
+
+    def applies(self, query: AnswerQuery) -> bool:
+        if not query.sees_answer:
+            return False
+        snapshot = query.snapshot
+        request = query.request
+        use = cacheable(
+            request,
+            snapshot.config.response_cache,
+            snapshot.tenant_configs.get(query.tenant.name),
+            snapshot.model_configs.get(request.model),
+        )
+        if not use:
+            self._metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
+        return use
+
+    async def lookup(self, query: AnswerQuery, digest: str) -> Hit | Miss | Bypass:
+        snapshot = query.snapshot
+        config = snapshot.config
+        settings = config.response_cache
+        metrics = self._metrics
+        request = query.request
+        tenant = query.tenant.name
+        route = snapshot.models.get(request.model)
+        if route is None:
+            return Bypass()  # admission answers model_not_found
+        model = snapshot.model_configs.get(request.model)
+        scope = cache_scope(
+            settings.scope == "model", tenant, snapshot.tenant_configs.get(tenant), request.body
+        )
+        key = cache_key(
+            request,
+            scope=scope,
+            digest=digest,
+            served_by=query.route_backend or route.backend,
+            generation=model.cache_generation if model is not None else "",
+        )
+        try:
+            found = await lookup(
+                self._store,
+                settings,
+                key=key,
+                tenant=tenant,
+                owner=query.owner,
+                lock_ttl_s=config.server.lease_ttl_s,
+                track=self._track,
+                on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
+                stream=request.stream,
+            )
+        except ANSWER_STORE_FAILURES as exc:
+            log.warning("response cache unavailable; the request runs uncached: %s", exc)
+            found = BYPASS
+        metrics.response_cache.labels(found.result.value).inc()
+        if found.answer is not None:
+            return Hit(
+                found.answer,
+                {CACHE_HEADER: CacheResult.HIT.value},
+                reason="response_cache_hit",
+                charge=HitCharge(settings.hit_charge, metrics.response_cache_saved_tokens),
+            )
+        if found.recorder is not None:
+            return Miss(found.recorder, cache_header=found.result.value)
+        return Bypass(cache_header=found.result.value)

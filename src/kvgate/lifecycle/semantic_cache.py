@@ -38,8 +38,17 @@ from kvgate.cache.embeddings import (
 from kvgate.cache.semantic import Candidate, EntryLog, SemanticEntry, SemanticIndex
 from kvgate.cache.semantic_guard import GuardLevel, guard_allows, refusal_reason
 from kvgate.config.model import ConfigError, ModelConfig, SemanticCacheConfig, TenantConfig
+from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Bypass, Hit, HitCharge, Miss
 from kvgate.lifecycle.idempotency import AnswerRecorder
-from kvgate.lifecycle.response_cache import deterministic
+from kvgate.lifecycle.response_cache import (
+    CACHE_HEADER,
+    SHARED_SCOPE,
+    CacheResult,
+    cache_quota,
+    cache_scope,
+    deterministic,
+)
+from kvgate.metrics import Metrics
 from kvgate.openai import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -54,6 +63,8 @@ DEFAULT_THRESHOLDS: dict[GuardLevel, float] = {GuardLevel.STRICT: 0.71}
 # Stored questions above the threshold checked by the guard, best first: the rest are less
 # similar still, and each costs a guard check and an answer fetch.
 MAX_CANDIDATES = 4
+# On a semantic hit in the tenant's own scope: the cosine similarity of the stored question.
+SIMILARITY_HEADER = "x-kvgate-cache-similarity"
 
 # Request fields that make the answer depend on more than the question (or echo the stored
 # prompt back): never looked up.
@@ -330,3 +341,78 @@ def build_semantic_cache(
         max_mirrored_bytes=settings.mirror_max_bytes,
     )
     return SemanticCache(embedder, index, answers)
+
+
+class SemanticCacheSource(AnswerSource):
+    """The semantic cache as an answer source: a similar question's stored answer, asked in
+    the same context (a hit), or a miss whose complete answer is stored and indexed."""
+
+    name = "semantic_cache"
+
+    def __init__(
+        self,
+        cache: SemanticCache,
+        metrics: Metrics,
+        track: Callable[[Coroutine[Any, Any, None]], Any],
+    ) -> None:
+        self._cache = cache
+        self._metrics = metrics
+        self._track = track
+
+    def applies(self, query: AnswerQuery) -> bool:
+        snapshot = query.snapshot
+        return query.sees_answer and applies(
+            snapshot.config.semantic_cache,
+            snapshot.tenant_configs.get(query.tenant.name),
+            snapshot.model_configs.get(query.request.model),
+        )
+
+    async def lookup(self, query: AnswerQuery, digest: str) -> Hit | Miss | Bypass:
+        del digest  # similar questions have other bodies: the index is keyed by meaning
+        snapshot = query.snapshot
+        config = snapshot.config
+        settings = config.semantic_cache
+        metrics = self._metrics
+        request = query.request
+        tenant = query.tenant.name
+        model = snapshot.model_configs.get(request.model)
+        assert model is not None  # the model opted in
+        scope = cache_scope(
+            settings.scope == "model", tenant, snapshot.tenant_configs.get(tenant), request.body
+        )
+        semantic = semantic_query(request, scope, settings, model.cache_generation)
+        if semantic is None:
+            metrics.semantic_cache.labels(SemanticResult.BYPASS.value).inc()
+            return Bypass()
+        found = await lookup(
+            self._cache,
+            settings,
+            semantic,
+            owner=query.owner,
+            lock_ttl_s=config.server.lease_ttl_s,
+            track=self._track,
+            quota=cache_quota(config.response_cache, tenant),
+            tenant=tenant,
+            on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
+        )
+        metrics.semantic_cache.labels(found.result.value).inc()
+        if found.bypass_reason is not None:
+            metrics.semantic_cache_bypasses.labels(found.bypass_reason).inc()
+        if found.guard_refusals:
+            metrics.semantic_cache_guard_refusals.inc(found.guard_refusals)
+        if found.answer is None:
+            if found.recorder is not None:
+                return Miss(found.recorder, cache_header=CacheResult.MISS.value)
+            return Bypass()
+        metrics.semantic_cache_similarity.observe(found.similarity)
+        headers = {CACHE_HEADER: SemanticResult.HIT.value}
+        if scope != SHARED_SCOPE:
+            # Only about the tenant's own question: across tenants a hit reveals nothing
+            # beyond the answer.
+            headers[SIMILARITY_HEADER] = f"{found.similarity:.4f}"
+        return Hit(
+            found.answer,
+            headers,
+            reason="semantic_cache_hit",
+            charge=HitCharge(settings.hit_charge, metrics.semantic_cache_saved_tokens),
+        )

@@ -8,6 +8,11 @@ from kvgate.config.snapshot import ModelRoute
 from kvgate.openai import ParsedRequest
 from kvgate.policy import Pricing, RateLimitView, Reservation
 
+# On an answer served by another model than asked (a budget fallback): "asked -> served".
+FALLBACK_HEADER = "x-kvgate-fallback"
+# On an answer generated under a lower cap than asked (a budget clamp): "asked -> cap".
+CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
+
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
@@ -76,3 +81,14 @@ class Ticket:
             self.max_new_tokens
         )
         return not exact or request.conflicting_caps
+
+
+def served_otherwise_headers(ticket: Ticket) -> dict[str, str]:
+    """The headers that say an answer is not exactly what was asked: served by a budget
+    fallback's model, or under a budget clamp's lower cap (empty when it is)."""
+    headers: dict[str, str] = {}
+    if ticket.fallback_from is not None:
+        headers[FALLBACK_HEADER] = f"{ticket.fallback_from} -> {ticket.route.name}"
+    if ticket.clamped_from is not None:
+        headers[CLAMP_HEADER] = f"{ticket.clamped_from} -> {ticket.max_new_tokens}"
+    return headers
