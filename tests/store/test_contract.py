@@ -52,7 +52,7 @@ def req(
     backend: BackendLimits = B,
     cost: int = 0,
     rid: str = "r",
-    slot_taken: bool = False,
+    request_slot_taken: bool = False,
 ) -> AdmissionRequest:
     return AdmissionRequest(
         request_id=rid,
@@ -62,7 +62,7 @@ def req(
         prompt_tokens=prompt,
         max_new_tokens=max_new,
         cost_pico=cost,
-        request_slot_taken=slot_taken,
+        request_slot_taken=request_slot_taken,
     )
 
 
@@ -379,12 +379,12 @@ async def test_a_passing_precheck_takes_one_request_from_every_rpm_scope(
     assert refused.retry_after_s == pytest.approx(60.0)
     assert remaining_requests(refused) == 2  # tenant-wide: exactly one taken
     # The reserve of the request that took its slot takes no other, in neither scope.
-    held = await reserve(store, req(50, 50, rid="a", slot_taken=True), policy)
+    held = await reserve(store, req(50, 50, rid="a", request_slot_taken=True), policy)
     assert held.admitted and remaining_requests(held) == 2
     assert not any(v.reason is Reason.RPM_EXCEEDED for v in held.violations)
     # Another model only meets the tenant-wide bucket: 2 left, then 1.
     assert await precheck(store, req(1, 10, model="o", rid="c"), policy) is None
-    other = await reserve(store, req(50, 50, model="o", rid="c", slot_taken=True), policy)
+    other = await reserve(store, req(50, 50, model="o", rid="c", request_slot_taken=True), policy)
     assert other.admitted and remaining_requests(other) == 1
 
 
@@ -421,7 +421,7 @@ async def test_precheck_without_taking_changes_nothing(make_store: StoreFactory)
     assert (await reserve(store, req(10, 10, rid="b"), policy)).admitted
     assert (await reserve(store, req(10, 10, rid="c"), policy)).reason is Reason.RPM_EXCEEDED
     # The flag on a lower bound whose slot was taken already takes nothing more.
-    assert await precheck(store, req(1, 10, rid="b", slot_taken=True), policy) is None
+    assert await precheck(store, req(1, 10, rid="b", request_slot_taken=True), policy) is None
     late = await reserve(store, req(10, 10, rid="d"), policy)
     assert late.reason is Reason.RPM_EXCEEDED and late.retry_after_s == pytest.approx(30.0)
 
@@ -437,11 +437,11 @@ async def test_a_refused_or_abandoned_reserve_keeps_the_precheck_slot(
         limits=ScopeLimits(rpm=rpm(3), tpm=tpm(1000, refill=1e-9), concurrency=ConcurrencyRule(1))
     )
     assert await precheck(store, req(1, 10, rid="big"), policy) is None
-    refused = await reserve(store, req(2000, 10, rid="big", slot_taken=True), policy)
+    refused = await reserve(store, req(2000, 10, rid="big", request_slot_taken=True), policy)
     assert refused.reason is Reason.REQUEST_EXCEEDS_TPM
     assert remaining_requests(refused) == 2
     assert await precheck(store, req(1, 10, rid="lost"), policy) is None
-    lost = req(400, 400, rid="lost", slot_taken=True)
+    lost = req(400, 400, rid="lost", request_slot_taken=True)
     taken = await reserve(store, lost, policy)
     assert taken.admitted and remaining_requests(taken) == 1
     await store.abandon(lost)
@@ -460,7 +460,9 @@ async def test_shadow_rpm_at_the_precheck_never_refuses_and_is_reported(
     decisions = []
     for rid in ("a", "b"):
         assert await precheck(store, req(1, 10, rid=rid), policy) is None
-        decisions.append(await reserve(store, req(10, 10, rid=rid, slot_taken=True), policy))
+        decisions.append(
+            await reserve(store, req(10, 10, rid=rid, request_slot_taken=True), policy)
+        )
     assert all(d.admitted for d in decisions)
     assert decisions[0].violations == ()
     # The second request took from an empty bucket: the shadowed limit reports it.

@@ -179,8 +179,9 @@ class Admission:
         reservation in the store (unique per request); `request_id` is the client's.
         `priority` is its class in a pool's queue; `on_queued(max_wait_s)` is called when
         it starts waiting there (the adapter extends its deadlines); `backend` replaces the
-        model's own backend (a route's setting); `slot_taken`: the request's RPM slot was
-        taken already (`take_request_slot`, before the answer sources)."""
+        model's own backend (a route's setting); `slot_taken` says `request_slot_taken`: the
+        request's RPM slot was taken already (`take_request_slot`, before the answer
+        sources)."""
         self._priority = priority
         self._on_queued = on_queued
         route = self._snapshot.models.get(request.model)
@@ -192,21 +193,30 @@ class Admission:
             route = replace(route, backend=backend)
         # Once the pre-check took the tenant's RPM request, no later step takes it again (the
         # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
-        slot_taken = await self._reject_early(request, tenant, route, admission_id, slot_taken)
+        request_slot_taken = await self._reject_early(
+            request, tenant, route, admission_id, slot_taken
+        )
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision, endpoint = await self._reserve(request, tenant, sized, admission_id, slot_taken)
+        decision, endpoint = await self._reserve(
+            request, tenant, sized, admission_id, request_slot_taken
+        )
         if decision.admitted:
             return self._ticket(decision, sized, request, request_id, endpoint=endpoint)
         if decision.reason is Reason.BUDGET_EXCEEDED:
             if tenant.budget_action is BudgetAction.CLAMP:
                 clamped = await self._clamp(
-                    request, tenant, sized, decision, request_id, admission_id, slot_taken
+                    request, tenant, sized, decision, request_id, admission_id, request_slot_taken
                 )
                 if clamped is not None:
                     return clamped
             elif tenant.budget_action is BudgetAction.FALLBACK and tenant.fallback_model:
                 fallen = await self._fall_back(
-                    request, tenant, tenant.fallback_model, request_id, admission_id, slot_taken
+                    request,
+                    tenant,
+                    tenant.fallback_model,
+                    request_id,
+                    admission_id,
+                    request_slot_taken,
                 )
                 if fallen is not None:
                     return fallen
@@ -246,11 +256,11 @@ class Admission:
         tenant: TenantPolicy,
         route: ModelRoute,
         admission_id: str,
-        slot_taken: bool,
+        request_slot_taken: bool,
     ) -> bool:
         """Turn away a tenant that is over a limit before paying for tokenization: a 429
         should cost far less than an admit. A pre-check that passes takes the tenant's RPM
-        request (unless `slot_taken`: an earlier pre-check of this request took it), so a
+        request (unless `request_slot_taken`: an earlier pre-check of this request took it), so a
         flood of large bodies is cut at RPM before any of it is tokenized.
 
         Returns whether the request's RPM slot is taken now (its reserve must not take it)."""
@@ -286,16 +296,16 @@ class Admission:
             max_new_tokens=max_new,
             choices=sequences,
             cost_pico=route.pricing.worst_case(bound.total, max_new * sequences),
-            request_slot_taken=slot_taken,
+            request_slot_taken=request_slot_taken,
         )
         try:
             early = await self._store.precheck(
-                lower_bound, limits, tenant, take_request_slot=not slot_taken
+                lower_bound, limits, tenant, take_request_slot=not request_slot_taken
             )
         except StoreUnavailable:
             # The full decision below answers with the store's failure policy, and takes
             # the slot if none was taken (unknown here: counting it twice beats never).
-            return slot_taken
+            return request_slot_taken
         if early is None:
             return True  # taken now, or before
         if early.reason not in _SIZE_INDEPENDENT_REJECTIONS:
@@ -303,7 +313,7 @@ class Admission:
             # answers it, so its Retry-After and message are those of the real request
             # (a wait computed for a lower bound would be refused again). Nothing was
             # taken: the reserve takes the slot.
-            return slot_taken
+            return request_slot_taken
         self._record_violations(tenant.name, early)
         raise Rejected(rejection_of(early))
 
@@ -440,7 +450,7 @@ class Admission:
         tenant: TenantPolicy,
         sized: _Sized,
         admission_id: str,
-        slot_taken: bool,
+        request_slot_taken: bool,
     ) -> tuple[Decision, str | None]:
         """Reserve on the route's backend, or on one endpoint of its pool. Returns the
         decision and, for a pool, the endpoint's address."""
@@ -457,7 +467,7 @@ class Admission:
                 sized.prompt_tokens, sized.max_new_tokens * sequences
             ),
             # A rejected reserve gives no slot back: the request was made (and counted).
-            request_slot_taken=slot_taken,
+            request_slot_taken=request_slot_taken,
         )
         scheduler = self._scheduler
         if scheduler is None or not scheduler.is_pool(sized.route.backend):
@@ -586,7 +596,7 @@ class Admission:
         decision: Decision,
         request_id: str,
         admission_id: str,
-        slot_taken: bool,
+        request_slot_taken: bool,
     ) -> Ticket | None:
         """Lower max_tokens to what the remaining budget pays for; None if not even one
         token of answer fits."""
@@ -598,7 +608,9 @@ class Admission:
         if affordable < 1 or affordable >= sized.max_new_tokens:
             return None
         smaller = _Sized(sized.route, sized.prompt_tokens, affordable)
-        retry, endpoint = await self._reserve(request, tenant, smaller, admission_id, slot_taken)
+        retry, endpoint = await self._reserve(
+            request, tenant, smaller, admission_id, request_slot_taken
+        )
         if not retry.admitted:
             return None
         return self._ticket(
@@ -617,7 +629,7 @@ class Admission:
         fallback: str,
         request_id: str,
         admission_id: str,
-        slot_taken: bool,
+        request_slot_taken: bool,
     ) -> Ticket | None:
         route = self._snapshot.models.get(fallback)
         if route is None or route.name == request.model:
@@ -625,9 +637,13 @@ class Admission:
         # The fallback model has its own tokenizer, context and prices: count again. A slot
         # taken for the requested model counts this request (the fallback model's own RPM
         # scope, if any, is then not charged: the client asked for the first model).
-        slot_taken = await self._reject_early(request, tenant, route, admission_id, slot_taken)
+        request_slot_taken = await self._reject_early(
+            request, tenant, route, admission_id, request_slot_taken
+        )
         sized = await self._size(request, tenant, route, request.max_new_tokens)
-        decision, endpoint = await self._reserve(request, tenant, sized, admission_id, slot_taken)
+        decision, endpoint = await self._reserve(
+            request, tenant, sized, admission_id, request_slot_taken
+        )
         if not decision.admitted:
             return None
         return self._ticket(

@@ -89,9 +89,10 @@ class AdmissionRequest:
     choices: int = 1
     # Worst-case cost (no cache discount, every output token used), reserved on budgets.
     cost_pico: int = 0
-    # The tenant's RPM request was already taken by the pre-check (StateStore.precheck with
-    # take_request_slot): the reserve does not take it again (nor refuse for RPM, unless a
-    # bucket is in debt) and an abandon does not give it back.
+    # The tenant's RPM request slot was already taken by the pre-check (StateStore.precheck
+    # with take_request_slot): the reserve does not take it again (nor refuse for RPM, unless
+    # a bucket is in debt) and an abandon does not give it back. The one name of this fact
+    # (the Redis record spells it "pre").
     request_slot_taken: bool = False
 
     @property

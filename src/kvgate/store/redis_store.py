@@ -454,7 +454,9 @@ class RedisStore:
                 "mc": backend.max_concurrent_requests,
                 "sc": [_rule(limits, key) for key, limits in scopes],
                 "bu": [[r.period.value, str(r.cap_pico), r.shadow] for r in tenant.budgets],
-                # The pre-check took the RPM request: not checked nor taken again.
+                # `request_slot_taken` (the pre-check took the RPM request: not checked nor
+                # taken again). "pre" is its name on the wire and in the stored record, read
+                # back by `_reservation_from_record` and the Lua scripts (`a.pre`, `rec.pre`).
                 "pre": request.request_slot_taken,
             },
             _policy_rules(tenant),
