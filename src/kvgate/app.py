@@ -314,7 +314,7 @@ class KvgateServer:
         """A settlement freed a reservation: a pool's queue may admit the next request,
         and the tenant's fair-share counter learns what it really got."""
         if self.scheduler.is_pool(ticket.cluster):
-            reserved = ticket.max_new_tokens * ticket.request.num_sequences
+            reserved = ticket.reservation.request.reserved_output_tokens
             self.scheduler.on_released(
                 ticket.cluster, ticket.tenant, usage.output_tokens - reserved
             )

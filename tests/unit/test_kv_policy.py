@@ -9,6 +9,7 @@ from kvgate.policy import (
     BackendLedger,
     BackendLimits,
     ManualClock,
+    Pricing,
     Reason,
     ThroughputEstimate,
     plan_new_tokens,
@@ -40,7 +41,13 @@ def test_reservations_round_up_to_whole_blocks(tokens: int, rounded: int) -> Non
 
 
 def test_cost_counts_every_choice() -> None:
+    assert req(100, 50, choices=3).reserved_output_tokens == 150
     assert req(100, 50, choices=3).cost_tokens == 250
+
+
+def test_the_worst_case_price_counts_every_reserved_output_token() -> None:
+    priced = req(100, 50, choices=3).priced(Pricing(input=2, cached_input=1, output=7))
+    assert priced.cost_pico == 100 * 2 + 150 * 7
 
 
 @pytest.mark.parametrize(

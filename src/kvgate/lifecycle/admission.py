@@ -265,8 +265,6 @@ class Admission:
 
         Returns whether the request's RPM slot is taken now (its reserve must not take it)."""
         limits = self._precheck_limits(route.backend)
-        sequences = request.num_sequences
-        max_new = request.max_new_tokens or 1
         bound = self._prompt_lower_bound(request, route.name)
         if bound.longest >= _EARLY_REFUSAL_MIN_TOKENS and (
             bound.longest + (request.max_new_tokens or 0) > route.max_context
@@ -293,11 +291,10 @@ class Admission:
             model=route.name,
             backend=route.backend,
             prompt_tokens=bound.total,
-            max_new_tokens=max_new,
-            choices=sequences,
-            cost_pico=route.pricing.worst_case(bound.total, max_new * sequences),
+            max_new_tokens=request.max_new_tokens or 1,
+            choices=request.num_sequences,
             request_slot_taken=request_slot_taken,
-        )
+        ).priced(route.pricing)
         try:
             early = await self._store.precheck(
                 lower_bound, limits, tenant, take_request_slot=not request_slot_taken
@@ -454,7 +451,6 @@ class Admission:
     ) -> tuple[Decision, str | None]:
         """Reserve on the route's backend, or on one endpoint of its pool. Returns the
         decision and, for a pool, the endpoint's address."""
-        sequences = request.num_sequences
         admission = AdmissionRequest(
             request_id=admission_id,
             tenant=tenant.name,
@@ -462,13 +458,10 @@ class Admission:
             backend=sized.route.backend,
             prompt_tokens=sized.prompt_tokens,
             max_new_tokens=sized.max_new_tokens,
-            choices=sequences,
-            cost_pico=sized.route.pricing.worst_case(
-                sized.prompt_tokens, sized.max_new_tokens * sequences
-            ),
+            choices=request.num_sequences,
             # A rejected reserve gives no slot back: the request was made (and counted).
             request_slot_taken=request_slot_taken,
-        )
+        ).priced(sized.route.pricing)
         scheduler = self._scheduler
         if scheduler is None or not scheduler.is_pool(sized.route.backend):
             limits = self._backend_limits(sized.route.backend)

@@ -60,7 +60,7 @@ def worst_case(reservation: Reservation) -> ActualUsage:
     request = reservation.request
     return ActualUsage(
         prompt_tokens=request.prompt_tokens,
-        output_tokens=request.max_new_tokens * request.choices,
+        output_tokens=request.reserved_output_tokens,
     )
 
 

@@ -271,9 +271,7 @@ class PoolScheduler:
             queue = self._queues.get(pool)
             if queue is not None:
                 request = decision.reservation.request
-                queue.charge(
-                    tenant, request.prompt_tokens, request.max_new_tokens * request.choices
-                )
+                queue.charge(tenant, request.prompt_tokens, request.reserved_output_tokens)
         return placement
 
     async def _try_endpoints(

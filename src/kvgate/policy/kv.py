@@ -207,7 +207,7 @@ def check_backend(backend: BackendView, request: AdmissionRequest, now: float) -
             reason=Reason.REQUEST_EXCEEDS_KV_BUDGET,
             detail=(
                 f"This request needs {kv_tokens} KV tokens (prompt {request.prompt_tokens} "
-                f"+ max new {request.max_new_tokens * request.choices}), more than backend "
+                f"+ max new {request.reserved_output_tokens}), more than backend "
                 f"'{backend.limits.name}' holds in total ({backend.limits.kv_budget_tokens})."
             ),
         )

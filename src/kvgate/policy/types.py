@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvgate.policy.pricing import Pricing
     from kvgate.policy.tenant import RateLimitView, TenantHold, Violation
 
 
@@ -96,9 +97,22 @@ class AdmissionRequest:
     request_slot_taken: bool = False
 
     @property
+    def reserved_output_tokens(self) -> int:
+        """The most output the request may generate: every choice's (sequence's) answer at
+        its cap. What is reserved, and charged when the answer cannot be metered."""
+        return self.max_new_tokens * self.choices
+
+    @property
     def cost_tokens(self) -> int:
         """Worst-case KV the request can occupy: the prompt plus every choice's answer."""
-        return self.prompt_tokens + self.max_new_tokens * self.choices
+        return self.prompt_tokens + self.reserved_output_tokens
+
+    def priced(self, pricing: Pricing) -> AdmissionRequest:
+        """This request with `cost_pico` its worst case under `pricing`: no cache discount,
+        every reserved output token used."""
+        return replace(
+            self, cost_pico=pricing.worst_case(self.prompt_tokens, self.reserved_output_tokens)
+        )
 
 
 @dataclass(frozen=True, slots=True)
