@@ -42,7 +42,7 @@ from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.config.secrets import redis_passwords, url_has_password
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.handoff import HandoffRegistry
-from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler, Ticket
+from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler
 from kvgate.lifecycle.answer_sources import AnswerSource
 from kvgate.lifecycle.idempotency import IdempotencySource, TenantWaiters
 from kvgate.lifecycle.leases import renew_interval_s
@@ -61,7 +61,7 @@ from kvgate.metrics.definitions import (
     TokenFileCollector,
 )
 from kvgate.metrics.http import create_http_app, create_operator_app
-from kvgate.policy import ActualUsage, MonotonicClock, Reservation
+from kvgate.policy import MonotonicClock, Reservation
 from kvgate.reload import ConfigReloader
 from kvgate.store import (
     FailurePolicy,
@@ -182,7 +182,9 @@ class KvgateServer:
                 leases=leases,
                 track=tasks.track,
                 tracing=self.tracing,
-                on_released=self._released,
+                # A pool's queue may admit the next request; its fair-share counter
+                # learns what the tenant really got.
+                on_released=self.scheduler.on_settled,
             ),
             scheduler=self.scheduler,
             answer_sources=self._answer_sources(tasks),
@@ -309,15 +311,6 @@ class KvgateServer:
         )
         for name in ("", EXTPROC_SERVICE):
             await self.health.set(name, status)
-
-    def _released(self, ticket: Ticket, usage: ActualUsage) -> None:
-        """A settlement freed a reservation: a pool's queue may admit the next request,
-        and the tenant's fair-share counter learns what it really got."""
-        if self.scheduler.is_pool(ticket.cluster):
-            reserved = ticket.reservation.request.reserved_output_tokens
-            self.scheduler.on_released(
-                ticket.cluster, ticket.tenant, usage.output_tokens - reserved
-            )
 
     async def _sync_capacity(self, config: KvgateConfig) -> None:
         """Discovery monitors, pools and queues follow the (re)loaded configuration."""

@@ -69,10 +69,27 @@ async def test_a_full_pool_queues_and_admits_when_a_settlement_frees_room() -> N
             cost_pico=0,
             tenant=pool.snapshot.tenants["heavy"],
         )
-        pool.scheduler.on_released("pool", "heavy", 0)
+        pool.scheduler.on_settled(tickets[0], ActualUsage(prompt_tokens=10, output_tokens=10))
         ticket = await asyncio.wait_for(waiter, 2)
         assert ticket.endpoint == tickets[0].endpoint
         assert pool.metrics.queue_wait_seconds.labels("pool", "light", "0")._sum.get() > 0
+    finally:
+        await pool.close()
+
+
+async def test_a_settlement_corrects_the_fair_share_counter_to_the_output_really_given() -> None:
+    pool = Pool(pool_config(queue={"max_wait_s": 5, "poll_interval_s": 0.01}))
+    await pool.start()
+    try:
+        ticket = await pool.admit("heavy", "h", 480)
+        queue = pool.scheduler.queue("pool")
+        assert queue is not None
+        # Input weight 1, output weight 2: charged the reserved output at admission...
+        assert queue.counters()["heavy"] == ticket.prompt_tokens + 2 * 480
+        used = ActualUsage(prompt_tokens=ticket.prompt_tokens, output_tokens=30)
+        pool.scheduler.on_settled(ticket, used)
+        # ...and, once settled, only what it really got.
+        assert queue.counters()["heavy"] == ticket.prompt_tokens + 2 * 30
     finally:
         await pool.close()
 

@@ -33,9 +33,11 @@ from kvgate.lifecycle.queue import (
     QueueRejected,
     QueueSettings,
 )
+from kvgate.lifecycle.ticket import Ticket
 from kvgate.metrics import Metrics
 from kvgate.openai import ParsedRequest
 from kvgate.policy import (
+    ActualUsage,
     AdmissionRequest,
     BackendLimits,
     BackendStatus,
@@ -398,14 +400,19 @@ class PoolScheduler:
             )
         return loads
 
-    def on_released(self, pool: str, tenant: str, output_correction: int) -> None:
-        """A reservation on `pool` was settled or released: correct the tenant's service
-        counter to what it really got, and give the queue a turn."""
+    def on_settled(self, ticket: Ticket, usage: ActualUsage) -> None:
+        """A settlement freed `ticket`'s reservation (the settler's release hook). On a
+        pool: the tenant's fair-share counter, charged the reserved output at admission, is
+        corrected to the output it really got, and the queue gets a turn."""
+        pool = ticket.cluster
+        if not self.is_pool(pool):
+            return
+        output_correction = usage.output_tokens - ticket.reservation.request.reserved_output_tokens
         self._status.clear()
         queue = self._queues.get(pool)
         if queue is not None:
             if output_correction:
-                queue.charge(tenant, 0, output_correction)
+                queue.charge(ticket.tenant, 0, output_correction)
             queue.notify_capacity_freed()
 
     def pool_views(self) -> list[PoolView]:
