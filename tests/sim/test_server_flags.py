@@ -270,6 +270,44 @@ async def test_default_kwargs_reach_the_deepseek_encoders(serve: Serve) -> None:
     )
 
 
+async def test_a_client_that_names_enable_thinking_decides_it_on_the_deepseek_encoders(
+    serve: Serve,
+) -> None:
+    """build_chat_params switches thinking by the effort only when the client's
+    chat_template_kwargs lack enable_thinking: named as null, the switch stays off and the
+    null is then dropped by the merge with the server's defaults, so the server's default
+    (else the encoder's own) decides."""
+    null = {"enable_thinking": None}
+    v32_dir = deepseek_v32_model_dir()
+    v32_reference = transformers.AutoTokenizer.from_pretrained(str(v32_dir))
+
+    async def v32_thinks(client: TestClient, **body: Any) -> bool:
+        text = v32_reference.decode(await chat_ids(client, **body))
+        assert text.endswith(("<｜Assistant｜><think>", "<｜Assistant｜></think>")), text  # noqa: RUF001
+        return bool(text.endswith("<think>"))
+
+    plain = await serve(v32_dir)
+    assert await v32_thinks(plain, reasoning_effort="high")
+    # V3.2 does not think unless told: the null leaves it at that.
+    assert not await v32_thinks(plain, reasoning_effort="high", chat_template_kwargs=null)
+    on = await serve(v32_dir, default_chat_template_kwargs={"enable_thinking": True})
+    assert not await v32_thinks(on, reasoning_effort="none")
+    assert await v32_thinks(on, reasoning_effort="none", chat_template_kwargs=null)
+
+    v4_dir = deepseek_v4_model_dir()
+    plain = await serve(v4_dir)
+    off = await serve(v4_dir, default_chat_template_kwargs={"enable_thinking": False})
+    not_thinking = await chat_ids(
+        plain, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}
+    )
+    thinking = await chat_ids(plain, reasoning_effort="high")
+    assert not_thinking != thinking
+    assert await chat_ids(off, reasoning_effort="high", chat_template_kwargs=null) == not_thinking
+    assert await chat_ids(off, reasoning_effort="high") == thinking
+    # No default: V4's own (thinking on) decides.
+    assert await chat_ids(plain, reasoning_effort="high", chat_template_kwargs=null) == thinking
+
+
 def _mistral_reference(messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
     mistral = MistralTokenizer.from_file(
         str(mistral_tekken_model_dir() / "tekken.json"), mode=ValidationMode.test
