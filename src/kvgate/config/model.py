@@ -14,6 +14,10 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# Every leaf field says how a change of it reaches the running process (kvgate.reload):
+# Reload[T] on a reload, Restart[T] only by a restart.
+from kvgate.config.reloading import Reload, Restart
+
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -40,13 +44,16 @@ class ClientIdentitiesConfig(_Strict):
     """Which verified client certificates a mutual TLS listener accepts: one whose URI SAN
     (a SPIFFE ID), DNS SAN or subject common name is listed (any one match suffices). Exact
     matches; DNS names ignore case. Without this list any certificate the client CA signed
-    is accepted."""
+    is accepted.
 
-    uri_sans: list[str] = Field(
+    Reload: read from the current snapshot at every call or stream, so a reload revokes (or
+    admits) an identity without a restart."""
+
+    uri_sans: Reload[list[str]] = Field(
         default_factory=list, description="URI SANs, e.g. spiffe://cluster.local/ns/NS/sa/SA"
     )
-    dns_sans: list[str] = Field(default_factory=list, description="DNS SANs, no wildcards")
-    common_names: list[str] = Field(default_factory=list, description="subject CNs")
+    dns_sans: Reload[list[str]] = Field(default_factory=list, description="DNS SANs, no wildcards")
+    common_names: Reload[list[str]] = Field(default_factory=list, description="subject CNs")
 
     @field_validator("uri_sans")
     @classmethod
@@ -94,11 +101,16 @@ class OperatorTlsConfig(_Strict):
     files, e.g. a cert-manager Secret volume (tls.crt, tls.key, ca.crt), re-read whenever they
     change. With `client_ca_file`, clients must present a certificate that CA signed (mutual
     TLS), and that certificate authenticates them; `allowed_clients` narrows that to the
-    listed identities."""
+    listed identities.
 
-    cert_file: str = Field(min_length=1, description="the server certificate (chain), PEM")
-    key_file: str = Field(min_length=1, description="its private key, PEM, not encrypted")
-    client_ca_file: str | None = Field(
+    Restart: the listeners and their credentials are built at start (turning TLS or client
+    certificates on or off changes the listener); the files' contents, a renewed certificate
+    or CA, are re-read whenever they change, without a reload (kvgate.admin.tls). Reload:
+    who may connect (`allowed_clients`)."""
+
+    cert_file: Restart[str] = Field(min_length=1, description="the server certificate (chain), PEM")
+    key_file: Restart[str] = Field(min_length=1, description="its private key, PEM, not encrypted")
+    client_ca_file: Restart[str | None] = Field(
         default=None,
         min_length=1,
         description="CA certificate(s), PEM, for client certificates: set, mutual TLS",
@@ -115,64 +127,72 @@ class OperatorTlsConfig(_Strict):
 class GrpcTlsConfig(_Strict):
     """Mutual TLS on the ext_proc listener (server.grpc_listen): Envoy must present a
     certificate the client CA signed (and, with `allowed_clients`, one of the listed
-    identities) to open any stream. Same files and renewal as OperatorTlsConfig."""
+    identities) to open any stream. Same files and renewal as OperatorTlsConfig (the
+    listener is built at start, the files re-read when they change)."""
 
-    cert_file: str = Field(min_length=1, description="the server certificate (chain), PEM")
-    key_file: str = Field(min_length=1, description="its private key, PEM, not encrypted")
-    client_ca_file: str = Field(
+    cert_file: Restart[str] = Field(min_length=1, description="the server certificate (chain), PEM")
+    key_file: Restart[str] = Field(min_length=1, description="its private key, PEM, not encrypted")
+    client_ca_file: Restart[str] = Field(
         min_length=1, description="CA certificate(s), PEM, that signed Envoy's certificate"
     )
     allowed_clients: ClientIdentitiesConfig | None = None
 
 
 class ServerConfig(_Strict):
-    grpc_listen: str = "127.0.0.1:50051"
-    http_listen: str = "127.0.0.1:9464"
+    grpc_listen: Restart[str] = "127.0.0.1:50051"  # bound at start
+    http_listen: Restart[str] = "127.0.0.1:9464"  # metrics/health port, bound at start
     # The operator gRPC API (usage, backends, reload): keep it on a private address.
-    admin_listen: str = "127.0.0.1:50052"
-    # DEBUG adds one JSON line per settled or rejected request.
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    # Seconds in-flight streams get to finish on SIGTERM before they are cut and settled.
-    shutdown_grace_s: float = Field(default=25.0, ge=0)
+    admin_listen: Restart[str] = "127.0.0.1:50052"  # bound at start
+    # DEBUG adds one JSON line per settled or rejected request. Set on the root logger by
+    # the reloader.
+    log_level: Reload[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = "INFO"
+    # Seconds in-flight streams get to finish on SIGTERM before they are cut and settled
+    # (read from the snapshot at shutdown).
+    shutdown_grace_s: Reload[float] = Field(default=25.0, ge=0)
     # Reservations are leases: one nobody renews (a lost stream) frees itself after this.
-    lease_ttl_s: float = Field(default=900.0, gt=0)
-    tokenizer_threads: int = Field(default=2, ge=1, le=64)
-    # Token counts of prompt segments (the text between special tokens), every model.
-    tokenizer_cache_entries: int = Field(default=65536, ge=0)
-    tokenizer_cache_dir: str = "var/tokenizers"
+    # Restart: the store keeps the TTL it was built with.
+    lease_ttl_s: Restart[float] = Field(default=900.0, gt=0)
+    tokenizer_threads: Reload[int] = Field(default=2, ge=1, le=64)  # TokenizerService.resize
+    # Token counts of prompt segments (the text between special tokens), every model
+    # (TokenizerService.resize).
+    tokenizer_cache_entries: Reload[int] = Field(default=65536, ge=0)
+    # Every tokenizer is loaded again from a new one.
+    tokenizer_cache_dir: Reload[str] = "var/tokenizers"
     # Prompt text left to tokenize after the segment cache, up to this many characters, is
     # tokenized on the event loop (about 0.1 ms per 1k tokens): cheaper than a round trip
-    # through a worker thread. 0: always on the workers.
-    inline_tokenize_max_chars: int = Field(default=16384, ge=0, le=1024 * 1024)
+    # through a worker thread. 0: always on the workers. (TokenizerService.resize)
+    inline_tokenize_max_chars: Reload[int] = Field(default=16384, ge=0, le=1024 * 1024)
     # Every admission decision is answered within this, with kvgate's own OpenAI-shaped
     # error when it cannot finish in time: keep it below Envoy's ext_proc message_timeout
     # (2 s in the shipped configs), or Envoy answers an empty 504 first.
-    decision_timeout_s: float = Field(default=1.5, gt=0, le=60)
+    decision_timeout_s: Reload[float] = Field(default=1.5, gt=0, le=60)
     # The ext_proc filter's max_message_timeout in Envoy's config: the longest kvgate may
     # extend a message's deadline while a request waits in a pool's queue. Envoy ignores an
     # extension above it (and then answers 504 at message_timeout), so kvgate checks every
     # queue's bound against it.
-    envoy_max_message_timeout_s: float = Field(default=35.0, gt=0, le=3600)
+    envoy_max_message_timeout_s: Reload[float] = Field(default=35.0, gt=0, le=3600)
     # What a request cut before its end costs (client gone, Envoy timeout, shutdown) once the
     # backend accepted it (2xx headers): "backend_work" charges the prompt (the prefill was
     # done) plus the output seen, at least one token per content event; "visible_text" is the
     # older rule: nothing unless answer text reached the client, then prompt + counted text.
-    cut_request_charge: Literal["backend_work", "visible_text"] = "backend_work"
-    grpc_max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=4 * 1024 * 1024)
+    cut_request_charge: Reload[Literal["backend_work", "visible_text"]] = "backend_work"
+    # gRPC server options, set at start.
+    grpc_max_message_bytes: Restart[int] = Field(default=64 * 1024 * 1024, ge=4 * 1024 * 1024)
     # The operator token: when set, `GET /admin/usage` and the admin gRPC API need
     # `Authorization: Bearer <token>`. Without one they answer only on a loopback listener.
     # `admin_token_env` names an environment variable; `admin_token_file` a file (a Kubernetes
     # Secret volume), read at start, on every reload and whenever it changes. With both set,
     # either token is accepted (a rotation: the new one in the file, the old one in the env).
-    admin_token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    admin_token_file: str | None = Field(default=None, min_length=1)
+    # Reload: a missing or unusable token rejects the reload (kvgate.admin.auth).
+    admin_token_env: Reload[str | None] = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    admin_token_file: Reload[str | None] = Field(default=None, min_length=1)
     # TLS for the operator surfaces: the admin gRPC listener, and /admin/usage on its own
     # HTTPS listener (`operator_https_listen`, optional). /metrics, /healthz and /readyz stay
     # plain HTTP on `http_listen`, which then refuses /admin/usage (TLS only). With a client CA
     # (mutual TLS) a client certificate authenticates the caller, on any address; a token, if
     # also set, is required as well.
     operator_tls: OperatorTlsConfig | None = None
-    operator_https_listen: str | None = None
+    operator_https_listen: Restart[str | None] = None  # bound at start
     # Mutual TLS on the ext_proc listener: without it anyone who reaches grpc_listen can open
     # streams (any route settings) and hold KV. The kubelet's gRPC probes have no client
     # certificate: probe /readyz and /healthz on http_listen instead.
@@ -200,18 +220,20 @@ class ServerConfig(_Strict):
 class RequestRateConfig(_Strict):
     """Requests per minute: a bucket of `limit` requests refilled at limit/60 per second."""
 
-    limit: int = Field(gt=0)
-    shadow: bool = False
+    limit: Reload[int] = Field(gt=0)
+    shadow: Reload[bool] = False
 
 
 class TokenRateConfig(_Strict):
     """Tokens per minute as a token bucket over input + output tokens."""
 
-    capacity: int = Field(gt=0, description="burst: the most tokens one minute can take at once")
-    refill_per_s: float | None = Field(
+    capacity: Reload[int] = Field(
+        gt=0, description="burst: the most tokens one minute can take at once"
+    )
+    refill_per_s: Reload[float | None] = Field(
         default=None, gt=0, description="default: capacity / 60 (a per-minute rate)"
     )
-    shadow: bool = False
+    shadow: Reload[bool] = False
 
     @property
     def refill(self) -> float:
@@ -219,8 +241,8 @@ class TokenRateConfig(_Strict):
 
 
 class ConcurrencyConfig(_Strict):
-    limit: int = Field(gt=0)
-    shadow: bool = False
+    limit: Reload[int] = Field(gt=0)
+    shadow: Reload[bool] = False
 
 
 def _shorthand(value: Any, key: str) -> Any:
@@ -231,6 +253,9 @@ def _shorthand(value: Any, key: str) -> Any:
 
 
 class LimitsConfig(_Strict):
+    """A tenant's limits (tenant-wide, or on one model), compiled into the snapshot: on a
+    reload its rate buckets resize to the new specs."""
+
     rpm: RequestRateConfig | None = None
     tpm: TokenRateConfig | None = None
     concurrency: ConcurrencyConfig | None = None
@@ -247,12 +272,12 @@ class LimitsConfig(_Strict):
 
 
 class BudgetConfig(_Strict):
-    daily_usd: Decimal | None = Field(default=None, ge=0)
-    monthly_usd: Decimal | None = Field(default=None, ge=0)
+    daily_usd: Reload[Decimal | None] = Field(default=None, ge=0)
+    monthly_usd: Reload[Decimal | None] = Field(default=None, ge=0)
     # What happens to a request whose worst-case cost does not fit the remaining budget.
-    action: Literal["block", "fallback", "clamp"] = "block"
-    fallback_model: str | None = None
-    shadow: bool = False
+    action: Reload[Literal["block", "fallback", "clamp"]] = "block"
+    fallback_model: Reload[str | None] = None
+    shadow: Reload[bool] = False
 
     @model_validator(mode="after")
     def _fallback_named(self) -> BudgetConfig:
@@ -265,25 +290,28 @@ class BudgetConfig(_Strict):
 
 
 class TenantConfig(_Strict):
-    name: str
+    """One tenant, compiled into the snapshot: every field applies on a reload (its rate
+    buckets resize to the new specs)."""
+
+    name: Reload[str]
     limits: LimitsConfig = LimitsConfig()
     # Optional tighter limits for this tenant on one model.
     model_limits: dict[str, LimitsConfig] = Field(default_factory=dict)
     budget: BudgetConfig | None = None
     # The tenant's priority class in a pool's queue (higher is served first), and the other
     # classes its requests may ask for with the `kvgate-priority` header.
-    priority: int = Field(default=0, ge=-100, le=100)
-    allowed_priorities: list[int] = Field(default_factory=list)
+    priority: Reload[int] = Field(default=0, ge=-100, le=100)
+    allowed_priorities: Reload[list[int]] = Field(default_factory=list)
     # The response cache for this tenant: None follows response_cache.enabled / .sampled.
-    response_cache: bool | None = None
-    response_cache_sampled: bool | None = None
+    response_cache: Reload[bool | None] = None
+    response_cache_sampled: Reload[bool | None] = None
     # With a cache's `scope: model`, this tenant's deterministic answers are shared with,
     # and it is served those of, other tenants that opt in too. Off: its entries are its own.
     # A shared entry tells a tenant, by the speed of its answer, that another asked first.
-    cache_sharing: bool = False
+    cache_sharing: Reload[bool] = False
     # The semantic cache serves this tenant only if it opts in (and the model does too).
-    semantic_cache: bool = False
-    api_key_sha256: list[str] | str = Field(
+    semantic_cache: Reload[bool] = False
+    api_key_sha256: Reload[list[str] | str] = Field(
         description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`."
     )
 
@@ -317,9 +345,9 @@ class TenantConfig(_Strict):
 class PricingConfig(_Strict):
     """US dollars per million tokens, as decimal strings ("0.15")."""
 
-    input_per_million: Decimal = Field(default=Decimal(0), ge=0)
-    cached_input_per_million: Decimal | None = Field(default=None, ge=0)
-    output_per_million: Decimal = Field(default=Decimal(0), ge=0)
+    input_per_million: Reload[Decimal] = Field(default=Decimal(0), ge=0)
+    cached_input_per_million: Reload[Decimal | None] = Field(default=None, ge=0)
+    output_per_million: Reload[Decimal] = Field(default=Decimal(0), ge=0)
 
     @model_validator(mode="after")
     def _precision(self) -> PricingConfig:
@@ -334,29 +362,31 @@ class PricingConfig(_Strict):
 
 
 class EngineCountingConfig(_Strict):
-    """How a model with `counting: engine` is counted: by its vLLM's own /tokenize."""
+    """How a model with `counting: engine` is counted: by its vLLM's own /tokenize. On a
+    reload the model's counter is built again before the swap (its engine's URL, key,
+    bounds)."""
 
     # vLLM's /tokenize. None: derived from the model's backend (the origin of its
     # discovery.metrics_url, or http://DNS_NAME:PORT of a pool's endpoint_discovery).
-    tokenize_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    tokenize_url: Reload[str | None] = Field(default=None, pattern=r"^https?://[^\s]+$")
     # Each count's whole deadline, its wait for a free connection included. It must stay
     # below server.decision_timeout_s, so kvgate answers before its own decision deadline.
-    timeout_s: float = Field(default=0.5, gt=0, le=30)
+    timeout_s: Reload[float] = Field(default=0.5, gt=0, le=30)
     # When the engine cannot count in time (slow, down, an error): "refuse" answers 503 +
     # Retry-After; "reserve_max_context" admits at the upper bound (prompt + completion = the
     # model's max_context), never a guess below the real prompt.
-    on_unavailable: Literal["refuse", "reserve_max_context"] = "refuse"
-    retry_after_s: float = Field(default=1.0, ge=1, le=600)
+    on_unavailable: Reload[Literal["refuse", "reserve_max_context"]] = "refuse"
+    retry_after_s: Reload[float] = Field(default=1.0, ge=1, le=600)
     # /tokenize requests in flight to one URL at once (the models sharing a URL share them;
     # the largest setting among them applies).
-    max_concurrency: int = Field(default=8, ge=1, le=1024)
+    max_concurrency: Reload[int] = Field(default=8, ge=1, le=1024)
     # Counts of identical requests (a digest of the exact /tokenize body), this model's LRU,
     # in bytes (0: no cache); an entry is dropped after cache_ttl_s.
-    cache_max_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
-    cache_ttl_s: float = Field(default=600.0, gt=0)
+    cache_max_bytes: Reload[int] = Field(default=4 * 1024 * 1024, ge=0)
+    cache_ttl_s: Reload[float] = Field(default=600.0, gt=0)
     # Chats are cached only when set: a template that reads the clock (Llama 3.x's
     # strftime_now, gpt-oss's date) renders the same messages differently on another day.
-    cache_chats: bool = False
+    cache_chats: Reload[bool] = False
 
 
 # vLLM 0.34's ReasoningEffort: the keys its --reasoning-effort-map accepts.
@@ -365,63 +395,67 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "
 
 class EngineFlagsConfig(_Strict):
     """The options the model's vLLM server was started with that change a chat's prompt
-    (each as vLLM's flag of the same name); kvgate counts with the same values."""
+    (each as vLLM's flag of the same name); kvgate counts with the same values. On a reload
+    the model's tokenizer is loaded again (a template file read again) before the swap."""
 
     # --default-chat-template-kwargs: template keywords under the request's own.
-    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    default_chat_template_kwargs: Reload[dict[str, Any]] = Field(default_factory=dict)
     # --reasoning-effort-map: a request's reasoning_effort rewritten before rendering.
-    reasoning_effort_map: dict[ReasoningEffort, str] = Field(default_factory=dict)
+    reasoning_effort_map: Reload[dict[ReasoningEffort, str]] = Field(default_factory=dict)
     # --chat-template: a file path, or the template itself when the value holds "{", "}"
     # or a line break (vLLM's own rule); used in place of the model directory's template.
-    chat_template: str | None = Field(default=None, min_length=1)
+    chat_template: Reload[str | None] = Field(default=None, min_length=1)
     # --chat-template-content-format: "auto" detects it from the template as vLLM does.
-    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    chat_template_content_format: Reload[Literal["auto", "string", "openai"]] = "auto"
     # --exclude-tools-when-tool-choice-none: no tools in the prompt for tool_choice "none".
-    exclude_tools_when_tool_choice_none: bool = False
+    exclude_tools_when_tool_choice_none: Reload[bool] = False
 
 
 class ModelConfig(_Strict):
-    name: str
-    tokenizer: str | None = Field(
+    """One model, compiled into the snapshot: every field applies on a reload; a changed
+    tokenizer or counting setting loads the model's counter again before the swap."""
+
+    name: Reload[str]
+    tokenizer: Reload[str | None] = Field(
         default=None,
         description="A local directory with tokenizer.json + tokenizer_config.json (or a "
         "Mistral tekken.json / tokenizer.model.v*), or a Hugging Face model id fetched once "
         "at start-up and cached. Required with `counting: local`; not read with `engine`.",
     )
-    max_context: int = Field(gt=0)
-    default_max_new_tokens: int = Field(gt=0)
-    backend: str
+    max_context: Reload[int] = Field(gt=0)
+    default_max_new_tokens: Reload[int] = Field(gt=0)
+    backend: Reload[str]
     pricing: PricingConfig = PricingConfig()
     # "auto" counts with tiktoken's compiled BPE when the vocabulary passes its exactness
     # checks at load (else the reference); "reference" always uses the model's tokenizers.
-    counting_engine: Literal["auto", "reference"] = "auto"
+    counting_engine: Reload[Literal["auto", "reference"]] = "auto"
     # The prompt path vLLM takes for this model, as its --tokenizer-mode: "auto" decides
     # from the directory as vLLM does (gpt-oss config -> harmony; tekken.json or
     # tokenizer.model.v* with consolidated weights, or without tokenizer.json -> mistral;
     # DeepseekV32ForCausalLM -> deepseek_v32, DeepseekV4For* -> deepseek_v4; else hf). Set
     # it when vLLM is started with an explicit --tokenizer-mode.
-    tokenizer_mode: Literal["auto", "hf", "mistral", "harmony", "deepseek_v32", "deepseek_v4"] = (
-        "auto"
-    )
+    tokenizer_mode: Reload[
+        Literal["auto", "hf", "mistral", "harmony", "deepseek_v32", "deepseek_v4"]
+    ] = "auto"
     # gpt-oss only: vLLM runs with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=1 (instructions in
     # the system message, and a system message mid-conversation a whole new one).
-    harmony_system_instructions: bool = False
+    harmony_system_instructions: Reload[bool] = False
     # The vLLM server's own options that shape chat prompts, as it was started with them.
     engine_flags: EngineFlagsConfig = EngineFlagsConfig()
     # Who counts this model's prompts: "local" renders and tokenizes them in kvgate with
     # `tokenizer`; "engine" asks the model's vLLM (/tokenize, `engine_counting`) for every
     # count: exact by construction, for a model whose rendering kvgate cannot reproduce.
-    counting: Literal["local", "engine"] = "local"
+    counting: Reload[Literal["local", "engine"]] = "local"
     engine_counting: EngineCountingConfig = EngineCountingConfig()
     # The semantic cache may answer this model's requests (for tenants that opt in too).
-    semantic_cache: bool = False
+    semantic_cache: Reload[bool] = False
     # Whether the exact-match cache may serve this model's sampled (temperature > 0)
     # requests; None follows response_cache.sampled. A tenant's own setting comes first.
-    response_cache_sampled: bool | None = None
+    response_cache_sampled: Reload[bool | None] = None
     # Part of every cache key and semantic context of this model: change it (e.g. to the
     # weights' revision) when other weights are served under the same name, and every
     # answer cached before is out of reach at once, on every replica (entries then expire).
-    cache_generation: str = Field(default="", max_length=128)
+    cache_generation: Reload[str] = Field(default="", max_length=128)
 
     @field_validator("name")
     @classmethod
@@ -457,27 +491,29 @@ def engine_tokenize_url(model: ModelConfig, backend: BackendConfig) -> str | Non
 
 
 class DiscoveryConfig(_Strict):
-    """Read the backend's own capacity and load from its vLLM `/metrics`."""
+    """Read the backend's own capacity and load from its vLLM `/metrics`. On a reload the
+    monitors are restarted (CapacityRegistry.sync)."""
 
-    metrics_url: str = Field(description="e.g. http://vllm:8000/metrics")
+    metrics_url: Reload[str] = Field(description="e.g. http://vllm:8000/metrics")
     # The served model name to filter on when one server exposes several.
-    model_name: str | None = None
-    interval_s: float = Field(default=5.0, gt=0)
+    model_name: Reload[str | None] = None
+    interval_s: Reload[float] = Field(default=5.0, gt=0)
     # The whole scrape (connect, headers, body) ends by then or counts as failed.
-    timeout_s: float = Field(default=2.0, gt=0)
+    timeout_s: Reload[float] = Field(default=2.0, gt=0)
     # Older scrapes are ignored: stale numbers never drive admission.
-    max_staleness_s: float = Field(default=30.0, gt=0)
+    max_staleness_s: Reload[float] = Field(default=30.0, gt=0)
     # A larger body fails the scrape unread (vLLM's /metrics is about 100 KiB); redirects
     # are never followed and compressed bodies are refused.
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
+    max_body_bytes: Reload[int] = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
 
 
 class BackpressureConfig(_Strict):
-    """Shed load (429 backend_overloaded) while the engine itself reports pressure."""
+    """Shed load (429 backend_overloaded) while the engine itself reports pressure. Rebuilt
+    on a reload (CapacityRegistry.sync)."""
 
-    max_kv_cache_usage: float | None = Field(default=0.95, gt=0, le=1)
-    max_requests_waiting: int | None = Field(default=8, ge=0)
-    retry_after_s: float = Field(default=2.0, ge=1)
+    max_kv_cache_usage: Reload[float | None] = Field(default=0.95, gt=0, le=1)
+    max_requests_waiting: Reload[int | None] = Field(default=8, ge=0)
+    retry_after_s: Reload[float] = Field(default=2.0, ge=1)
 
 
 # A pool's discovered members by default: private ranges (RFC 1918, the RFC 6598 shared
@@ -498,19 +534,19 @@ QUEUE_DEADLINE_MARGIN_S = 1.0
 
 class EndpointDiscoveryConfig(_Strict):
     """A pool's members from DNS: every address a name resolves to (a Kubernetes headless
-    Service gives one A/AAAA record per ready pod)."""
+    Service gives one A/AAAA record per ready pod). Pool membership follows a reload."""
 
-    dns_name: str = Field(min_length=1, max_length=253)
-    port: int = Field(gt=0, lt=65536)
-    refresh_s: float = Field(default=5.0, gt=0)
+    dns_name: Reload[str] = Field(min_length=1, max_length=253)
+    port: Reload[int] = Field(gt=0, lt=65536)
+    refresh_s: Reload[float] = Field(default=5.0, gt=0)
     # A name that suddenly resolves to thousands of addresses must not start thousands of
     # scrapers: the first this many (sorted) are the pool, and kvgate says so in its log.
-    max_endpoints: int = Field(default=256, ge=1, le=4096)
+    max_endpoints: Reload[int] = Field(default=256, ge=1, le=4096)
     # Resolved addresses outside these ranges never join the pool (counted and logged).
     # Loopback (127.0.0.0/8, ::1) and link-local (169.254.0.0/16 with the cloud metadata
     # service, fe80::/10) only by a range written inside them, never by e.g. 0.0.0.0/0;
     # unspecified and multicast addresses never.
-    allowed_cidrs: list[str] = Field(
+    allowed_cidrs: Reload[list[str]] = Field(
         default_factory=lambda: list(DEFAULT_ALLOWED_ENDPOINT_CIDRS), min_length=1
     )
 
@@ -526,59 +562,65 @@ class EndpointDiscoveryConfig(_Strict):
 
 
 class PickingConfig(_Strict):
-    """How kvgate chooses one endpoint of a pool (see kvgate.policy.picking)."""
+    """How kvgate chooses one endpoint of a pool (see kvgate.policy.picking). The prefix
+    indexes follow a reload (PoolScheduler.sync)."""
 
-    prefix_affinity: bool = True
+    prefix_affinity: Reload[bool] = True
     # Prompts are hashed in blocks of this many characters (about 16 tokens).
-    block_chars: int = Field(default=64, ge=8, le=4096)
+    block_chars: Reload[int] = Field(default=64, ge=8, le=4096)
     # About 0.25 µs to hash and 1 µs to record per block, on the event loop: bounded.
-    max_blocks: int = Field(default=128, ge=1, le=512)
+    max_blocks: Reload[int] = Field(default=128, ge=1, le=512)
     # (block hash, endpoint) pairs remembered per pool and kvgate process, least recently
     # used dropped first (about 110 bytes each).
-    max_entries: int = Field(default=100_000, ge=1)
-    affinity_weight: float = Field(default=0.6, ge=0, le=1)
+    max_entries: Reload[int] = Field(default=100_000, ge=1)
+    affinity_weight: Reload[float] = Field(default=0.6, ge=0, le=1)
     # Affinity counts only while the endpoint's KV use after the request stays at or below
     # this, so a popular prefix never piles onto one pod.
-    load_gate: float = Field(default=0.85, gt=0, le=1)
+    load_gate: Reload[float] = Field(default=0.85, gt=0, le=1)
 
 
 class QueueConfig(_Strict):
     """Wait for room in the pool instead of a 429 (the tenant's own limits still answer at
-    once)."""
+    once). The queues follow a reload (PoolScheduler.sync); requests already queued keep
+    waiting under the new settings."""
 
     # kvgate extends Envoy's per-message deadline to this + decision_timeout_s + 1 s while a
     # request waits; that must stay within server.envoy_max_message_timeout_s.
-    max_wait_s: float = Field(default=10.0, gt=0, le=3600)
-    max_queued: int = Field(default=1000, ge=1)
-    max_queued_per_tenant: int = Field(default=100, ge=1)
-    input_weight: float = Field(default=1.0, gt=0)
-    output_weight: float = Field(default=2.0, gt=0)
-    poll_interval_s: float = Field(default=0.05, gt=0, le=5)
+    max_wait_s: Reload[float] = Field(default=10.0, gt=0, le=3600)
+    max_queued: Reload[int] = Field(default=1000, ge=1)
+    max_queued_per_tenant: Reload[int] = Field(default=100, ge=1)
+    input_weight: Reload[float] = Field(default=1.0, gt=0)
+    output_weight: Reload[float] = Field(default=2.0, gt=0)
+    poll_interval_s: Reload[float] = Field(default=0.05, gt=0, le=5)
 
 
 class BackendConfig(_Strict):
-    name: str
+    """One backend (or pool), compiled into the snapshot: every field applies on a reload;
+    its ledger takes the new limits for new work."""
+
+    name: Reload[str]
     # A number, or "auto": num_gpu_blocks x block_size read from vLLM's
     # vllm:cache_config_info (needs `discovery`).
-    kv_budget_tokens: int | Literal["auto"]
+    kv_budget_tokens: Reload[int | Literal["auto"]]
     # The most an automatic budget may be, whatever an endpoint's /metrics claims (a rogue
     # or broken pod reporting a huge cache would otherwise take most prompts); a capped
     # report is counted and logged. 4 Mi tokens: above one engine of a 7-8B model on an 80
-    # GB GPU (0.4-1 M tokens); raise it for data-parallel servers or small models.
-    max_auto_kv_budget_tokens: int = Field(default=DEFAULT_MAX_AUTO_KV_BUDGET_TOKENS, gt=0)
-    kv_block_size: int = Field(default=16, gt=0)
-    max_concurrent_requests: int = Field(default=256, gt=0)
+    # GB GPU (0.4-1 M tokens); raise it for data-parallel servers or small models. Read
+    # whenever a budget is taken from a reading.
+    max_auto_kv_budget_tokens: Reload[int] = Field(default=DEFAULT_MAX_AUTO_KV_BUDGET_TOKENS, gt=0)
+    kv_block_size: Reload[int] = Field(default=16, gt=0)
+    max_concurrent_requests: Reload[int] = Field(default=256, gt=0)
     discovery: DiscoveryConfig | None = None
     backpressure: BackpressureConfig | None = None
     # The backend's own API key (vLLM --api-key), sent as `Authorization: Bearer` on every
     # request kvgate forwards to it. Tenants' keys never reach a backend. `api_key_env` names
     # an environment variable holding it, so the secret need not live in this file.
-    api_key: str | None = Field(default=None, min_length=1, repr=False)
-    api_key_env: str | None = Field(default=None, min_length=1)
+    api_key: Reload[str | None] = Field(default=None, min_length=1, repr=False)
+    api_key_env: Reload[str | None] = Field(default=None, min_length=1)
     # A pool: the backend is served by several endpoints (IP:PORT), each with this
     # section's KV budget and concurrency. kvgate picks one per request and names it to
     # Envoy in x-kvgate-destination (an ORIGINAL_DST cluster). Static, or from DNS.
-    endpoints: list[str] | None = None
+    endpoints: Reload[list[str] | None] = None
     endpoint_discovery: EndpointDiscoveryConfig | None = None
     picking: PickingConfig = PickingConfig()
     queue: QueueConfig | None = None
@@ -675,15 +717,15 @@ def parse_endpoint_address(address: str) -> tuple[str, int]:
 
 class SentinelConfig(_Strict):
     """Find the Redis master through Sentinel (the `store` URL then gives only credentials,
-    database and TLS for the master)."""
+    database and TLS for the master). Restart: read once at start, like the connection."""
 
-    master: str = Field(min_length=1, description="the monitored master's name")
-    nodes: list[str] = Field(min_length=1, description="sentinels as HOST:PORT")
-    password: str | None = Field(
+    master: Restart[str] = Field(min_length=1, description="the monitored master's name")
+    nodes: Restart[list[str]] = Field(min_length=1, description="sentinels as HOST:PORT")
+    password: Restart[str | None] = Field(
         default=None, repr=False, description="the sentinels' own password (prefer _env/_file)"
     )
-    password_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    password_file: str | None = Field(default=None, min_length=1)
+    password_env: Restart[str | None] = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    password_file: Restart[str | None] = Field(default=None, min_length=1)
 
     @field_validator("nodes")
     @classmethod
@@ -703,41 +745,43 @@ class SentinelConfig(_Strict):
 
 
 class RedisConfig(_Strict):
-    """The shared store (used when `store` is a redis:// or rediss:// URL)."""
+    """The shared store (used when `store` is a redis:// or rediss:// URL). Restart: the
+    store (and the answer store beside it) is built once, at start."""
 
     # Every key is "{key_prefix}:...": one hash tag, so one Redis Cluster slot per deployment.
-    key_prefix: str = Field(default="kvgate", pattern=r"^[A-Za-z0-9._:/-]{1,64}$")
+    key_prefix: Restart[str] = Field(default="kvgate", pattern=r"^[A-Za-z0-9._:/-]{1,64}$")
     # Every call is bounded by this (socket timeouts and an overall deadline): no request
     # waits longer on Redis.
-    timeout_s: float = Field(default=0.25, gt=0, le=30)
-    connect_timeout_s: float = Field(default=0.25, gt=0, le=30)
+    timeout_s: Restart[float] = Field(default=0.25, gt=0, le=30)
+    connect_timeout_s: Restart[float] = Field(default=0.25, gt=0, le=30)
     # What admission does while Redis cannot answer: 503 with Retry-After, or admit with
     # per-replica local limits and reconcile the ledger when Redis returns.
-    failure_policy: Literal["fail_closed", "fail_open"] = "fail_closed"
-    unavailable_retry_after_s: float = Field(default=2.0, gt=0)
+    failure_policy: Restart[Literal["fail_closed", "fail_open"]] = "fail_closed"
+    unavailable_retry_after_s: Restart[float] = Field(default=2.0, gt=0)
     # While Redis is down it is pinged this often; requests never wait for it meanwhile.
-    probe_interval_s: float = Field(default=1.0, gt=0)
+    probe_interval_s: Restart[float] = Field(default=1.0, gt=0)
     # Settlements waiting for Redis to come back; past this the oldest are dropped (reported).
-    max_pending_settlements: int = Field(default=10_000, ge=1)
+    max_pending_settlements: Restart[int] = Field(default=10_000, ge=1)
     # Settlements of requests admitted by the fallback (fail_open) while Redis was down are
     # delivered when it returns; their ids are kept this long so each is booked once. Must
     # outlast the longest outage (about 100 bytes each in Redis: rate x retention).
     # Settlements of Redis leases need no window: their billing record is consumed once.
-    settled_id_retention_s: float = Field(default=86_400.0, ge=1)
+    settled_id_retention_s: Restart[float] = Field(default=86_400.0, ge=1)
     # Redis runs with noeviction: at maxmemory every write fails, reserves included. Past
     # this fraction of maxmemory the answer store (idempotency keys, cached answers) takes
     # no new entries, so admission keeps its room.
-    answer_store_max_memory_fraction: float = Field(default=0.8, gt=0, le=0.95)
+    answer_store_max_memory_fraction: Restart[float] = Field(default=0.8, gt=0, le=0.95)
     # Redis calls in flight at once per replica (and connections per Redis node).
-    max_connections: int = Field(default=64, ge=1, le=10_000)
+    max_connections: Restart[int] = Field(default=64, ge=1, le=10_000)
     # The URL is one node of a Redis Cluster.
-    cluster: bool = False
+    cluster: Restart[bool] = False
     sentinel: SentinelConfig | None = None
     # The password (for Sentinel: the master's) from an environment variable or a file (a
     # Kubernetes Secret volume) instead of the `store` URL; read once at start. The URL may
-    # still give the user name (redis://kvgate@redis:6379/0) for a Redis ACL user.
-    password_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    password_file: str | None = Field(default=None, min_length=1)
+    # still give the user name (redis://kvgate@redis:6379/0) for a Redis ACL user. Like the
+    # connection they authenticate: rotate by restarting.
+    password_env: Restart[str | None] = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    password_file: Restart[str | None] = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _one_topology(self) -> RedisConfig:
@@ -750,68 +794,71 @@ class RedisConfig(_Strict):
 
 class TracingConfig(_Strict):
     """OpenTelemetry spans of each decision and settlement (kvgate.tracing); needs the
-    `otel` extra (`pip install 'kvgate[otel]'`). Read once at start."""
+    `otel` extra (`pip install 'kvgate[otel]'`). Read once at start: the tracer provider
+    and its exporter are built then (kvgate.tracing)."""
 
-    enabled: bool = False
+    enabled: Restart[bool] = False
     # The OTLP/gRPC collector, e.g. http://otel-collector:4317 (https:// for TLS). None: the
     # standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT environment,
     # else http://localhost:4317.
-    otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
-    service_name: str = Field(default="kvgate", min_length=1, max_length=256)
+    otlp_endpoint: Restart[str | None] = Field(default=None, pattern=r"^https?://[^\s]+$")
+    service_name: Restart[str] = Field(default="kvgate", min_length=1, max_length=256)
     # The fraction of requests whose spans are kept. A request's incoming traceparent still
     # names the trace its spans join, but its sampled flag is a client's say: kvgate decides.
-    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    sample_ratio: Restart[float] = Field(default=1.0, ge=0, le=1)
     # Follow the sampled flag of the incoming traceparent instead (sample_ratio then applies
     # only to traces kvgate starts): for a deployment where whatever sets it is trusted, e.g.
     # Envoy's own tracing overwriting what clients send.
-    trust_parent_sampling: bool = False
+    trust_parent_sampling: Restart[bool] = False
     # Put the tenant's name on the spans (`kvgate.tenant`): off, as a tracing backend is often
     # shared more widely than kvgate's metrics.
-    tenant_attribute: bool = False
+    tenant_attribute: Restart[bool] = False
 
 
 class ResponseCacheConfig(_Strict):
-    """Exact-match answers: the same model and request again -> the stored answer."""
+    """Exact-match answers: the same model and request again -> the stored answer. Read per
+    request from the snapshot; the memory store is built at start."""
 
-    enabled: bool = False
-    ttl_s: float = Field(default=3600.0, gt=0)
+    enabled: Reload[bool] = False
+    ttl_s: Reload[float] = Field(default=3600.0, gt=0)
     # tenant: a tenant's entries serve only that tenant; model: every tenant of the model
     # (identical requests by different tenants share the answer).
-    scope: Literal["tenant", "model"] = "tenant"
+    scope: Reload[Literal["tenant", "model"]] = "tenant"
     # Only deterministic requests (temperature 0) by default: a sampled answer served from
     # cache is the same sample again, which the operator may allow.
-    sampled: bool = False
+    sampled: Reload[bool] = False
     # What a hit costs: nothing (counted in kvgate_response_cache_*), or what the stored
     # answer took (TPM, budget and price, booked in the ledger as a request).
-    hit_charge: Literal["free", "full"] = "free"
-    max_answer_bytes: int = Field(default=1024 * 1024, ge=1024)
-    memory_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    hit_charge: Reload[Literal["free", "full"]] = "free"
+    max_answer_bytes: Reload[int] = Field(default=1024 * 1024, ge=1024)
+    memory_max_bytes: Restart[int] = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     # What one tenant's cached answers (both caches) may hold at once; past it new answers
-    # are not cached (nothing of another tenant's is ever evicted for them).
-    tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=64 * 1024)
+    # are not cached (nothing of another tenant's is ever evicted for them). Passed with
+    # every claim.
+    tenant_max_bytes: Reload[int] = Field(default=32 * 1024 * 1024, ge=64 * 1024)
 
 
 class SemanticEmbedderConfig(_Strict):
-    """Where question vectors come from."""
+    """Where question vectors come from. Restart: the embedder is built at start."""
 
     # wordllama: offline, in process (the `semantic` extra); openai: an OpenAI-compatible
     # /v1/embeddings endpoint (vLLM serving an embedding model).
-    kind: Literal["wordllama", "openai"] = "wordllama"
-    dimensions: int = Field(default=256, ge=1, le=16384)
-    base_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    kind: Restart[Literal["wordllama", "openai"]] = "wordllama"
+    dimensions: Restart[int] = Field(default=256, ge=1, le=16384)
+    base_url: Restart[str | None] = Field(default=None, pattern=r"^https?://[^\s]+$")
+    model: Restart[str | None] = Field(default=None, min_length=1, max_length=256)
     # The name of the environment variable holding the endpoint's API key, if it needs one.
-    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    api_key_env: Restart[str | None] = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     # Ask a matryoshka model for `dimensions` (vLLM refuses it for other models).
-    send_dimensions: bool = False
+    send_dimensions: Restart[bool] = False
     # Every embedding's whole deadline, waiting for its turn included (both kinds; for
     # openai every request of the call): past it the lookup gives up and the request runs
     # uncached (result "unavailable").
-    timeout_s: float = Field(default=0.5, gt=0, le=10)
+    timeout_s: Restart[float] = Field(default=0.5, gt=0, le=10)
     # Embeddings one tenant may have queued or running at once (wordllama: batches waiting
     # for the worker thread, which serves tenants in fair shares; openai: requests in
     # flight); past it the lookup is refused at once and the request runs uncached.
-    max_queued_per_tenant: int = Field(default=8, ge=1, le=10_000)
+    max_queued_per_tenant: Restart[int] = Field(default=8, ge=1, le=10_000)
 
     @model_validator(mode="after")
     def _endpoint(self) -> SemanticEmbedderConfig:
@@ -824,35 +871,36 @@ class SemanticEmbedderConfig(_Strict):
 
 class SemanticCacheConfig(_Strict):
     """Similar questions in the same context -> the stored answer (off by default; tenants
-    and models opt in with their own `semantic_cache: true`)."""
+    and models opt in with their own `semantic_cache: true`). The embedder and the index are
+    built at start; the rest is read per request."""
 
-    enabled: bool = False
+    enabled: Restart[bool] = False
     embedder: SemanticEmbedderConfig = SemanticEmbedderConfig()
     # A hit needs cosine similarity >= threshold AND the lexical guard's consent. None: the
     # measured default for WordLlama with the strict guard (docs/semantic-cache.md); any
     # other embedder or guard must set the threshold it was measured at.
-    threshold: float | None = Field(default=None, gt=0, le=1)
+    threshold: Reload[float | None] = Field(default=None, gt=0, le=1)
     # strict: the same content words in the same order (filler and articles aside);
     # numbers: the same numbers and negations, never the same words reordered; off: none.
-    guard: Literal["strict", "numbers", "off"] = "strict"
+    guard: Reload[Literal["strict", "numbers", "off"]] = "strict"
     # tenant: a tenant's entries serve only that tenant; model: every opted-in tenant.
-    scope: Literal["tenant", "model"] = "tenant"
+    scope: Reload[Literal["tenant", "model"]] = "tenant"
     # Requests with tools (or tool calls in their history) are never served by default.
-    allow_tools: bool = False
+    allow_tools: Reload[bool] = False
     # Only deterministic requests (temperature 0) by default.
-    sampled: bool = False
-    ttl_s: float = Field(default=3600.0, gt=0)
-    hit_charge: Literal["free", "full"] = "free"
-    max_answer_bytes: int = Field(default=1024 * 1024, ge=1024)
+    sampled: Reload[bool] = False
+    ttl_s: Reload[float] = Field(default=3600.0, gt=0)
+    hit_charge: Reload[Literal["free", "full"]] = "free"
+    max_answer_bytes: Reload[int] = Field(default=1024 * 1024, ge=1024)
     # Longer last turns are not looked up (a mean vector over a long text says little).
-    max_question_chars: int = Field(default=2000, ge=1, le=32_768)
+    max_question_chars: Reload[int] = Field(default=2000, ge=1, le=32_768)
     # The bucket of one context (the search runs over it); older entries drop out.
-    max_entries_per_context: int = Field(default=256, ge=1, le=65_536)
+    max_entries_per_context: Restart[int] = Field(default=256, ge=1, le=65_536)
     # This replica's mirror of the entries, in all contexts (least recently searched first
     # out), and the memory store's entries (least recently written context first out), in
     # bytes: about 2 KB an entry (its 256-float vector twice and the question).
-    mirror_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
-    memory_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
+    mirror_max_bytes: Restart[int] = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
+    memory_max_bytes: Restart[int] = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
 
     @model_validator(mode="after")
     def _threshold(self) -> SemanticCacheConfig:
@@ -865,31 +913,33 @@ class SemanticCacheConfig(_Strict):
 
 
 class IdempotencyConfig(_Strict):
-    """Idempotency-Key on chat and completions requests (one generation per tenant and key)."""
+    """Idempotency-Key on chat and completions requests (one generation per tenant and key).
+    Read per request from the snapshot; the memory store is built at start."""
 
-    enabled: bool = True
+    enabled: Reload[bool] = True
     # How long a completed answer is replayed for a duplicate.
-    retention_s: float = Field(default=86_400.0, gt=0)
+    retention_s: Reload[float] = Field(default=86_400.0, gt=0)
     # How long a duplicate waits for the first request still running (then 409 + Retry-After);
     # like a pool queue's wait, within server.envoy_max_message_timeout_s.
-    max_wait_s: float = Field(default=10.0, gt=0, le=3600)
+    max_wait_s: Reload[float] = Field(default=10.0, gt=0, le=3600)
     # An answer larger than this is not kept: a duplicate after completion gets 409.
-    max_answer_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_answer_bytes: Reload[int] = Field(default=8 * 1024 * 1024, ge=1024)
     # The memory store's bound (all keys of this process); Redis keeps its own.
-    memory_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    memory_max_bytes: Restart[int] = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     # What one tenant's keys and their answers may hold at once (each replica's memory
     # store, or Redis for all replicas): past it a new key is 429, an answer that does not
-    # fit leaves a marker (a duplicate gets 409, never a second generation).
-    tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=64 * 1024)
+    # fit leaves a marker (a duplicate gets 409, never a second generation). Passed with
+    # every claim.
+    tenant_max_bytes: Reload[int] = Field(default=32 * 1024 * 1024, ge=64 * 1024)
     # Duplicates of one tenant waiting for running requests, per replica (then 429).
-    max_waiting_per_tenant: int = Field(default=32, ge=1, le=10_000)
+    max_waiting_per_tenant: Reload[int] = Field(default=32, ge=1, le=10_000)
 
 
 class KvgateConfig(_Strict):
     server: ServerConfig = ServerConfig()
     # "memory" (one process) or a Redis URL (redis://[[user]:password@]host:port/db or
-    # rediss:// for TLS) shared by every replica; see the `redis` section.
-    store: str = "memory"
+    # rediss:// for TLS) shared by every replica; see the `redis` section. Built once.
+    store: Restart[str] = "memory"
     redis: RedisConfig = RedisConfig()
     tenants: list[TenantConfig]
     models: list[ModelConfig]
