@@ -88,8 +88,9 @@ def test_corpus_prompt_counts_match_the_engine(stack: Stack, counter: PromptCoun
     n = len(CORPUS)
     assert delta(MISMATCHES, model=MODEL) == 0
     assert delta(f"{HIST}_count", model=MODEL) == n
-    # (No _sum check: prometheus_client has no _sum series for a histogram whose buckets go
-    # below zero, so it would read 0 whatever happened.) Every observation in the (-0.5, 0.5] bucket: each error was exactly 0.
+    # No _sum check: prometheus_client has no _sum series for a histogram whose buckets go
+    # below zero, so it would read 0 whatever happened. Every observation in the (-0.5, 0.5]
+    # bucket: each error was exactly 0.
     exact = delta(f"{HIST}_bucket", model=MODEL, le="0.5") - delta(
         f"{HIST}_bucket", model=MODEL, le="-0.5"
     )

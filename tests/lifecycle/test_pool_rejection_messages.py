@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.extproc.outcomes import api_error
 from kvgate.lifecycle import Rejected
+from kvgate.lifecycle.protocol import rejection_answer
+from kvgate.openai import errors as openai_errors
 from kvgate.openai.errors import invalid_request, rate_limited, without_addresses
 from kvgate.policy import Reason
 from tests.lifecycle.support import ENDPOINTS, Pool, pool_config
@@ -14,7 +15,7 @@ from tests.lifecycle.support import ENDPOINTS, Pool, pool_config
 
 def assert_names_no_endpoint(rejected: Rejected) -> str:
     message = rejected.rejection.message
-    body = api_error(rejected.rejection).to_body().decode()
+    body = rejection_answer(rejected.rejection, openai_errors).to_body().decode()
     for address in ENDPOINTS:
         host = address.partition(":")[0]
         assert host not in message, message

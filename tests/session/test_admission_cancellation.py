@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from kvgate.extproc.session import PARSE_OFF_LOOP_BYTES
+from kvgate.lifecycle.exchange import PARSE_OFF_LOOP_BYTES
 from kvgate.tokenize import PromptCounter
 from testbed.demo_model import demo_model_dir
 from tests.session.cancel_helpers import Gate, ReserveMode, install

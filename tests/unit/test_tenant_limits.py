@@ -6,7 +6,7 @@ from decimal import Decimal
 
 import pytest
 
-from kvgate.extproc.ratelimit_headers import format_reset, rate_limit_headers
+from kvgate.openai.errors import format_reset, rate_limit_headers
 from kvgate.policy import (
     ActualUsage,
     AdmissionRequest,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
@@ -15,25 +15,19 @@ from kvgate.lifecycle import (
     Admission,
     BackgroundTasks,
     LeaseKeeper,
-    PromptTokenizers,
     ResponseReading,
     Settler,
     Ticket,
 )
 from kvgate.lifecycle.answer_run import AnswerRun
 from kvgate.lifecycle.answer_sources import AnswerSource
+from kvgate.lifecycle.exchange import FairTokenizers
 from kvgate.lifecycle.scheduler import PoolScheduler
 from kvgate.metrics import Metrics
 from kvgate.policy import Clock, Decision, SettleCause
 from kvgate.store import StateStore
 
 log = logging.getLogger("kvgate.services")
-
-T = TypeVar("T")
-
-
-class FairTokenizers(PromptTokenizers, Protocol):
-    async def run(self, tenant: str, work: Callable[[], T], *, cost: int = 1) -> T: ...
 
 
 class GatewayServices:

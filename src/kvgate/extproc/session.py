@@ -7,8 +7,9 @@ The phase decides what may happen next:
 
 Settlement happens exactly once, from FORWARDED or RESPONSE, whichever way the stream ends:
 the response's end_of_stream, a client disconnect, an upstream reset, an Envoy timeout, or
-shutdown. Admission, metering and the billing rule live in `kvgate.lifecycle`; this module
-only translates.
+shutdown. The request's decision, metering and settlement are its ``Exchange``
+(`kvgate.lifecycle.exchange`), its API's grammar and error shape a protocol
+(`kvgate.protocols`); this module only translates Envoy's messages, headers and layouts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import functools
 import json
 import logging
 import secrets
@@ -31,7 +31,6 @@ from kvgate.config import hash_api_key
 from kvgate.config.model import QUEUE_DEADLINE_MARGIN_S
 from kvgate.extproc import messages
 from kvgate.extproc.handoff import METADATA_KEY
-from kvgate.extproc.outcomes import Answer, answer_headers, api_error
 from kvgate.extproc.priority_header import parse_priority_class
 from kvgate.extproc.route_settings import (
     BACKEND_KEY,
@@ -40,17 +39,14 @@ from kvgate.extproc.route_settings import (
     RouteSettingsError,
 )
 from kvgate.extproc.services import GatewayServices
-from kvgate.lifecycle import Rejected, Rejection, ResponseMeter, ResponseReading, Ticket
-from kvgate.lifecycle.answer_sources import AnswerQuery, Hit
-from kvgate.lifecycle.digest import body_digest
-from kvgate.lifecycle.response_cache import CACHE_HEADER
-from kvgate.lifecycle.ticket import served_otherwise_headers
+from kvgate.lifecycle import Ticket
+from kvgate.lifecycle.answer_sources import Hit
+from kvgate.lifecycle.exchange import Exchange, Forward, RouteScope
+from kvgate.lifecycle.protocol import ErrorAnswer, ErrorVocabulary, Outcome, Refused
 from kvgate.lifecycle.usage_report import tenant_usage_report
-from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
-from kvgate.openai import errors as api_errors
-from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy, pico_to_usd, shadowed
+from kvgate.policy import ActualUsage, Reason, SettleCause, pico_to_usd, shadowed
+from kvgate.protocols import DEFAULT_ERRORS, METERED_APIS
 from kvgate.store import StoreUnavailable
-from kvgate.tokenize import TokenizerBusy
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -59,7 +55,6 @@ log = logging.getLogger("kvgate.session")
 
 _Mode = processing_mode_pb2.ProcessingMode
 
-ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Requests that only need a valid key: they cost the GPU nothing.
 PASSTHROUGH_PATHS = frozenset({"/v1/models"})
 USAGE_PATH = "/v1/kvgate/usage"
@@ -70,8 +65,8 @@ DESTINATION_HEADER = "x-kvgate-destination"
 # The priority class a request asks for in a pool's queue (allowed per tenant).
 PRIORITY_HEADER = "kvgate-priority"
 IDEMPOTENCY_HEADER = "idempotency-key"
-# Bodies larger than this are parsed on a worker thread, not on the event loop.
-PARSE_OFF_LOOP_BYTES = 256 * 1024
+# How a refusal names that header: its usual spelling.
+IDEMPOTENCY_HEADER_NAME = "Idempotency-Key"
 # A JSON answer up to this size (by its content-length) comes in one BUFFERED message
 # instead of chunk by chunk. Well below the 8 MiB buffer limit of the shipped configs:
 # Envoy fails a BUFFERED body over its limit, so larger or unsized answers stay STREAMED.
@@ -123,14 +118,6 @@ def _api_key(headers: dict[str, str], key_header: str | None = None) -> str | No
     return key or None
 
 
-class _RouteRefusal(Exception):
-    """The request names something its route does not allow (answered, not admitted)."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 def _json_content_type(value: str | None) -> bool:
     """A request content type the engine accepts: application/json (parameters such as
     charset aside). vLLM refuses every other one with a 400; one that is absent passes here
@@ -170,11 +157,11 @@ class StreamSession:
         self.phase = Phase.REQUEST_HEADERS
         self.request_id = ""
         self.tenant: str | None = None
-        self._tenant_policy: TenantPolicy | None = None
         self._path = ""
-        self._request: ParsedRequest | None = None
-        self.ticket: Ticket | None = None
-        self._meter: ResponseMeter | None = None
+        # The refusals' shape: the path's API's, OpenAI's until the path is known.
+        self._errors: ErrorVocabulary = DEFAULT_ERRORS
+        # The metered request, from its body to its settlement.
+        self._exchange: Exchange | None = None
         # What Envoy says of its configuration on a stream's first message: in the split
         # layout (envoy-observability.yaml) this request-path stream never sees the answer;
         # admission needs the whole body in one message (BUFFERED).
@@ -184,19 +171,15 @@ class StreamSession:
         # here is touched.
         self._tracing = services.settler.tracing
         self._trace_parent: Context | None = None
-        # A pool's queue: the request's priority class, the decision deadline kvgate moves
-        # while it waits, and the extension for Envoy (see handle_with_interim).
-        self._priority = 0
-        # Idempotency-Key: the client's key, if it sent one.
-        self._idempotency_key: str | None = None
-        # The answer sources' walk for this request and the recorders keeping its answer.
-        self._answers = services.answer_run(())
-        self._deadline: asyncio.Timeout | None = None
+        # Whether this request may wait (a pool's queue, an Idempotency-Key), and the
+        # message-timeout extension for Envoy while it does (see handle_with_interim).
+        self._may_wait = False
         self._interim: asyncio.Future[pb.ProcessingResponse] | None = None
-        # When the request body's message arrived (loop time), and whether its deadlines
-        # were extended for its waits (Envoy takes one extension per message).
-        self._message_started = 0.0
-        self._wait_extended = False
+
+    @property
+    def ticket(self) -> Ticket | None:
+        """What admission decided, once the request is admitted."""
+        return self._exchange.ticket if self._exchange is not None else None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -240,7 +223,10 @@ class StreamSession:
             if ticket is None:
                 self.phase = Phase.PASSTHROUGH  # rejected or passed through: nothing to meter
                 return
-            self._forwarded(ticket)
+            api = METERED_APIS[ticket.request.path]
+            self._exchange = Exchange.observing(self._svc, self._snapshot, api, ticket)
+            self.request_id = ticket.request_id
+            self.phase = Phase.FORWARDED
         if not self.phase.unsettled:
             return
         try:
@@ -254,7 +240,7 @@ class StreamSession:
 
     def _internal_error_reply(self, kind: str | None) -> pb.ProcessingResponse:
         if kind in ("request_headers", "request_body") and self.ticket is None:
-            return self._reject(api_errors.internal_error(), Answer.INTERNAL_ERROR)
+            return self._reject(self._errors.internal_error(), Outcome.INTERNAL_ERROR)
         # Once forwarded, never break the client's stream: pass the chunk through unchanged.
         if kind == "response_headers":
             return messages.continue_response_headers()
@@ -272,6 +258,8 @@ class StreamSession:
         if self._tracing is not None:
             self._trace_parent = self._tracing.extract(headers)
         self._path = _path_only(headers.get(":path", ""))
+        api = METERED_APIS.get(self._path)
+        errors = self._errors = api.errors if api is not None else DEFAULT_ERRORS
         # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST, and vLLM says 405.
         method = headers.get(":method", "")
         # Clients must not be able to forge the headers Envoy routes and logs on.
@@ -280,9 +268,7 @@ class StreamSession:
         if isinstance(route, RouteSettingsError):
             # Fail closed: settings kvgate cannot read must not be silently ignored.
             log.error("unusable per-route settings from Envoy: %s", route)
-            return self._reject(
-                api_errors.route_misconfigured(route.key), Answer.ROUTE_MISCONFIGURED
-            )
+            return self._reject(errors.route_misconfigured(route.key), Outcome.ROUTE_MISCONFIGURED)
 
         key = _api_key(headers, route.key_header)
         # The tenant's credentials never go upstream, wherever the route says they are.
@@ -290,26 +276,24 @@ class StreamSession:
             (*CREDENTIAL_HEADERS, route.key_header) if route.key_header else CREDENTIAL_HEADERS
         )
         if key is None:
-            return self._reject(
-                api_errors.missing_api_key(route.key_header), Answer.MISSING_API_KEY
-            )
+            return self._reject(errors.missing_api_key(route.key_header), Outcome.MISSING_API_KEY)
         tenant = self._snapshot.tenants_by_key_hash.get(hash_api_key(key))
         if tenant is None:
-            return self._reject(api_errors.invalid_api_key(), Answer.INVALID_API_KEY)
+            return self._reject(errors.invalid_api_key(), Outcome.INVALID_API_KEY)
         self.tenant = tenant
-        self._tenant_policy = self._snapshot.tenants[tenant]
+        policy = self._snapshot.tenants[tenant]
         if route.shadow:
             # The operator's route trials the tenant's limits: decided and counted in
             # kvgate_shadow_rejections_total, never enforced (the KV budget still is).
-            self._tenant_policy = shadowed(self._tenant_policy)
+            policy = shadowed(policy)
         if route.backend is not None and route.backend not in self._snapshot.backends:
             log.error("route names backend %r, which kvgate's config does not have", route.backend)
             return self._reject(
-                api_errors.route_misconfigured(BACKEND_KEY), Answer.ROUTE_MISCONFIGURED
+                errors.route_misconfigured(BACKEND_KEY), Outcome.ROUTE_MISCONFIGURED
             )
         if not route.allows_tenant(tenant):
             return self._reject(
-                api_errors.tenant_not_allowed_on_route(), Answer.TENANT_NOT_ALLOWED_ON_ROUTE
+                errors.tenant_not_allowed_on_route(), Outcome.TENANT_NOT_ALLOWED_ON_ROUTE
             )
 
         if self._path == USAGE_PATH:
@@ -317,48 +301,47 @@ class StreamSession:
         if self._path in PASSTHROUGH_PATHS or self._path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
                 return self._reject(
-                    api_errors.method_not_allowed(method, self._path), Answer.INVALID_REQUEST
+                    errors.method_not_allowed(method, self._path), Outcome.INVALID_REQUEST
                 )
             self.phase = Phase.PASSTHROUGH
-            self._svc.metrics.requests.labels("passthrough", Answer.PASSTHROUGH.value).inc()
+            self._svc.metrics.requests.labels("passthrough", Outcome.PASSTHROUGH.value).inc()
             reply = messages.continue_request_headers(
                 {"x-kvgate-tenant": tenant}, [*forged, *credentials], skip_rest=True
             )
             reply.dynamic_metadata.CopyFrom(messages.metadata(self._metadata("passthrough")))
             return reply
-        if self._path not in ADMITTED_PATHS:
-            return self._reject(api_errors.unsupported_path(self._path), Answer.UNSUPPORTED_PATH)
+        if api is None:
+            return self._reject(errors.unsupported_path(self._path), Outcome.UNSUPPORTED_PATH)
         if method != "POST":
             return self._reject(
-                api_errors.method_not_allowed(method, self._path), Answer.INVALID_REQUEST
+                errors.method_not_allowed(method, self._path), Outcome.INVALID_REQUEST
             )
         if http.end_of_stream:
             return self._reject(
-                api_errors.invalid_request("The request body is empty; expected JSON."),
-                Answer.INVALID_REQUEST,
+                errors.invalid_request("The request body is empty; expected JSON."),
+                Outcome.INVALID_REQUEST,
             )
         if not _json_content_type(headers.get("content-type")):
             # The engine reads only JSON bodies (none given: JSON too); anything else it
             # refuses after kvgate would have reserved for it.
             return self._reject(
-                api_errors.invalid_request(
+                errors.invalid_request(
                     "The request body must be JSON: send content-type: application/json.",
                     "content-type",
                 ),
-                Answer.INVALID_REQUEST,
+                Outcome.INVALID_REQUEST,
             )
         if self._request_body_mode != _Mode.BUFFERED:
             # With STREAMED or partial bodies the first body message is not the whole body:
             # admitting on it would let the rest through unmetered. A deployment error.
             log.error("ext_proc request_body_mode must be BUFFERED for metered paths")
             return self._reject(
-                api_errors.internal_error("kvgate is misconfigured: it cannot meter this request."),
-                Answer.INTERNAL_ERROR,
+                errors.internal_error("kvgate is misconfigured: it cannot meter this request."),
+                Outcome.INTERNAL_ERROR,
             )
         priority = self._requested_priority(headers, tenant)
-        if isinstance(priority, ApiError):
-            return self._reject(priority, Answer.INVALID_REQUEST)
-        self._priority = priority
+        if not isinstance(priority, int):
+            return self._reject(priority, Outcome.INVALID_REQUEST)
         idempotency_key = headers.get(IDEMPOTENCY_HEADER)
         if idempotency_key is not None and self._snapshot.config.idempotency.enabled:
             idempotency_key = idempotency_key.strip(_OWS)
@@ -368,20 +351,36 @@ class StreamSession:
                 and idempotency_key.isprintable()
             ):
                 return self._reject(
-                    api_errors.invalid_request(
+                    errors.invalid_request(
                         "The Idempotency-Key header must be 1 to 255 printable ASCII characters.",
-                        api_errors.IDEMPOTENCY_HEADER,
+                        IDEMPOTENCY_HEADER_NAME,
                         "invalid_value",
                     ),
-                    Answer.INVALID_REQUEST,
+                    Outcome.INVALID_REQUEST,
                 )
-            self._idempotency_key = idempotency_key
+        else:
+            idempotency_key = None
+        self._may_wait = bool(self._snapshot.queued_pools) or idempotency_key is not None
+        settings = route if isinstance(route, RouteSettings) else NO_ROUTE_SETTINGS
+        self._exchange = Exchange(
+            self._svc,
+            self._snapshot,
+            api,
+            policy,
+            request_id=self.request_id,
+            admission_id=_admission_id(self.request_id),
+            priority=priority,
+            idempotency_key=idempotency_key,
+            route=RouteScope(backend=settings.backend, models=settings.models),
+            sees_answer=not self._answer_seen_elsewhere,
+            on_wait=self._extend_message_timeout,
+        )
         self.phase = Phase.REQUEST_BODY
         return messages.continue_request_headers(
             {"x-kvgate-tenant": tenant}, [*forged, *credentials]
         )
 
-    def _requested_priority(self, headers: dict[str, str], tenant: str) -> int | ApiError:
+    def _requested_priority(self, headers: dict[str, str], tenant: str) -> int | ErrorAnswer:
         """The request's class in a pool's queue: the tenant's own, or one of the classes
         the operator allows it to ask for with the kvgate-priority header."""
         own, allowed = self._snapshot.priorities.get(tenant, (0, frozenset()))
@@ -396,7 +395,7 @@ class StreamSession:
         choices = ", ".join(str(p) for p in sorted({own, *allowed}))
         asked_class = parse_priority_class(asked.strip(_OWS))
         if asked_class is None:
-            return api_errors.invalid_request(
+            return self._errors.invalid_request(
                 f"The {PRIORITY_HEADER} header must be a whole number written with the "
                 f"digits 0-9 and an optional leading '-' (allowed for this key: {choices}).",
                 PRIORITY_HEADER,
@@ -404,7 +403,7 @@ class StreamSession:
             )
         if asked_class in allowed or asked_class == own:
             return asked_class
-        return api_errors.invalid_request(
+        return self._errors.invalid_request(
             f"The {PRIORITY_HEADER} header asks for a priority class this key may not use "
             f"(allowed: {choices}).",
             PRIORITY_HEADER,
@@ -414,18 +413,18 @@ class StreamSession:
     async def _usage_report(self, method: str, tenant: str) -> pb.ProcessingResponse:
         if method not in ("GET", "HEAD"):
             return self._reject(
-                api_errors.method_not_allowed(method, self._path, ("GET", "HEAD")),
-                Answer.INVALID_REQUEST,
+                self._errors.method_not_allowed(method, self._path, ("GET", "HEAD")),
+                Outcome.INVALID_REQUEST,
             )
         self.phase = Phase.PASSTHROUGH
-        self._svc.metrics.requests.labels("answered", Answer.USAGE_REPORT.value).inc()
+        self._svc.metrics.requests.labels("answered", Outcome.USAGE_REPORT.value).inc()
         try:
             report = await tenant_usage_report(
                 self._svc.store, self._svc.clock, self._snapshot, tenant
             )
         except StoreUnavailable as exc:
             return self._reject(
-                api_errors.service_unavailable(
+                self._errors.service_unavailable(
                     "Usage is unavailable while kvgate cannot reach its state store.",
                     retry_after_s=exc.retry_after_s,
                 ),
@@ -436,36 +435,21 @@ class StreamSession:
         )
 
     async def _on_request_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
-        if self.phase is not Phase.REQUEST_BODY:
+        exchange = self._exchange
+        if self.phase is not Phase.REQUEST_BODY or exchange is None:
             return pb.ProcessingResponse(request_body=pb.BodyResponse())
         # In BUFFERED mode this one message is the whole body, whatever end_of_stream says:
         # with HTTP/2 request trailers it arrives with end_of_stream=false (the trailers end
         # the stream). So this message is the admission point, always; nothing that follows
         # can carry more body.
         started = time.perf_counter()
-        self._message_started = asyncio.get_running_loop().time()
         trace_start = time.time_ns() if self._tracing is not None else 0
-        deadline = self._snapshot.config.server.decision_timeout_s
         try:
-            async with asyncio.timeout(deadline) as self._deadline:
-                reply = await self._admit(http.body)
-        except _RouteRefusal as refusal:
-            reply = self._reject(refusal.error, Answer.MODEL_NOT_ALLOWED_ON_ROUTE)
-        except ApiError as error:
-            reply = self._reject(error, Answer.INVALID_REQUEST)
-        except Rejected as rejected:
-            reply = self._reject(api_error(rejected.rejection), rejected.rejection.reason)
-        except TimeoutError:
-            # Answer before Envoy's message timeout does (an empty 504): whatever the
-            # admission was waiting on was cancelled, and a reserve in flight is abandoned.
-            reply = self._reject(
-                api_errors.service_unavailable(
-                    f"kvgate could not decide on this request within {deadline:g} s "
-                    "(it is busy counting prompts). Please retry.",
-                    retry_after_s=1,
-                ),
-                Answer.DECISION_TIMEOUT,
-            )
+            decided = await exchange.decide(http.body)
+        except Refused as refused:
+            reply = self._reject(refused.answer, refused.label)
+        else:
+            reply = self._answered(decided) if isinstance(decided, Hit) else self._forward(decided)
         outcome = "admitted" if self.ticket is not None else "rejected"
         self._svc.metrics.decision_seconds.labels(outcome).observe(time.perf_counter() - started)
         if self._tracing is not None:
@@ -483,85 +467,24 @@ class StreamSession:
                 outcome=outcome,
                 reason=details.removeprefix("kvgate_") or Reason.ADMITTED.value,
                 tenant=self.tenant,
-                request=self._request,
+                request=self._exchange.request if self._exchange is not None else None,
                 ticket=self.ticket,
             )
         except Exception:
             log.exception("recording the decision span failed")
 
-    async def _admit(self, body: bytes) -> pb.ProcessingResponse:
-        assert self._tenant_policy is not None
-        request = await self._parse(body, self._tenant_policy.name)
-        self._request = request
-        route = self._route
-        if isinstance(route, RouteSettings) and not route.allows_model(request.model):
-            # OpenAI's answer for a model a key may not use: it "does not exist or you do not
-            # have access to it".
-            raise _RouteRefusal(api_errors.model_not_found(request.model))
-        admission_id = _admission_id(self.request_id)
-        admission = self._svc.admission(self._snapshot)
-        query = AnswerQuery(
-            request=request,
-            tenant=self._tenant_policy,
-            snapshot=self._snapshot,
-            owner=admission_id,
-            route_backend=route.backend if isinstance(route, RouteSettings) else None,
-            idempotency_key=self._idempotency_key,
-            on_wait=self._on_queued,
-            # The split layout's request path never sees the answer: it cannot be kept.
-            sees_answer=not self._answer_seen_elsewhere,
-        )
-        sources = [source for source in self._svc.answer_sources if source.applies(query)]
-        self._answers = self._svc.answer_run(sources)
-        slot_taken = False
-        if sources:
-            # What the answer layer does for a tenant is a request it made: the RPM slot is
-            # taken first, in O(1), so a tenant over its limit gets its 429 before any of
-            # the body is digested, looked up, embedded or waited on.
-            slot_taken = await admission.take_request_slot(
-                request, self._tenant_policy, admission_id
-            )
-            hit = await self._answers.lookup(query, await self._digest(request))
-            if hit is not None:
-                return self._answered(hit)
-        try:
-            ticket = await admission.admit(
-                request,
-                self._tenant_policy,
-                self.request_id,
-                admission_id,
-                priority=self._priority,
-                on_queued=self._on_queued,
-                backend=route.backend if isinstance(route, RouteSettings) else None,
-                slot_taken=slot_taken,
-            )
-        except BaseException:
-            # Refused, or the client left: nothing ran, so a retry with the key runs anew.
-            self._answers.abandon()
-            raise
-        self._answers.keep_what_serves(served_otherwise_headers(ticket))
-        # Exact output counts need the usage event; when the client did not ask for it, the
-        # response meter strips it again before the client sees it. An observing stream
-        # cannot strip anything, so in the split layout nothing is injected.
-        force_usage = (
-            request.stream
-            and not request.include_usage_requested
-            and not self._answer_seen_elsewhere
-        )
-        if force_usage:
-            ticket = ticket.with_usage_injected()
-        self._forwarded(ticket)
+    def _forward(self, forward: Forward) -> pb.ProcessingResponse:
+        """Admitted: the request goes upstream to the endpoint holding its reservation."""
+        ticket = forward.ticket
+        self.request_id = ticket.request_id
+        self.phase = Phase.FORWARDED
         self._svc.metrics.requests.labels("admitted", Reason.ADMITTED.value).inc()
         if self._answer_seen_elsewhere:
+            # The observing stream meters and settles it (see handoff.py).
+            assert self._exchange is not None
+            self._exchange.hand_off()
             self.phase = Phase.HANDED_OFF
             self._svc.handoffs.register(ticket, self._svc.settle_unclaimed)
-
-        new_cap = ticket.max_new_tokens if ticket.body_needs_cap else None
-        new_body: bytes | None = None
-        if force_usage or ticket.new_model or new_cap is not None:
-            new_body = rewrite_body(
-                request.body, model=ticket.new_model, max_tokens=new_cap, force_usage=force_usage
-            )
         route_headers = {"x-kvgate-model": ticket.route.name, "x-kvgate-backend": ticket.cluster}
         if ticket.endpoint is not None:
             # The pool's ORIGINAL_DST cluster connects to exactly this endpoint, the one
@@ -571,78 +494,24 @@ class StreamSession:
         if upstream_key is not None:
             route_headers["authorization"] = f"Bearer {upstream_key}"
         return messages.continue_request_body(
-            route_headers, new_body=new_body, dynamic_metadata=self._metadata("admitted")
+            route_headers, new_body=forward.body, dynamic_metadata=self._metadata("admitted")
         )
 
-    async def _digest(self, request: ParsedRequest) -> str:
-        """The body's one canonical digest (key order and spacing aside), off the event loop
-        in the tenant's fair share of the workers when the body is large."""
-        if request.body_bytes <= PARSE_OFF_LOOP_BYTES:
-            return body_digest(request.body)
-        assert self.tenant is not None
-        try:
-            return await self._svc.tokenizers.run(
-                self.tenant,
-                functools.partial(body_digest, request.body),
-                cost=request.body_bytes,
-            )
-        except TokenizerBusy as busy:
-            raise Rejected(
-                Rejection(
-                    Reason.COUNTING_BUSY,
-                    "Too many of your requests are waiting to be read; "
-                    "retry when some have been answered.",
-                    retry_after_s=busy.retry_after_s,
-                )
-            ) from None
-
-    def _message_wait_s(self) -> float:
-        """The longest the request body's message may wait in all: its Idempotency-Key's
-        wait, then its pool's queue, then the budget fallback model's pool's queue."""
-        snapshot = self._snapshot
-        waits = snapshot.queue_waits
-        wait = snapshot.config.idempotency.max_wait_s if self._idempotency_key else 0.0
-        request, policy = self._request, self._tenant_policy
-        route = snapshot.models.get(request.model) if request is not None else None
-        if route is not None:
-            settings = self._route
-            backend = route.backend
-            if isinstance(settings, RouteSettings) and settings.backend is not None:
-                backend = settings.backend
-            wait += waits.get(backend, 0.0)
-        fallback = policy.fallback_model if policy is not None else None
-        fallback_route = snapshot.models.get(fallback) if fallback else None
-        if fallback_route is not None:
-            wait += waits.get(fallback_route.backend, 0.0)
-        return wait
-
-    def _on_queued(self, max_wait_s: float) -> None:
-        """The request starts waiting (an Idempotency-Key's first run, a pool's queue):
-        move kvgate's own decision deadline and ask Envoy (override_message_timeout, up to
-        the filter's max_message_timeout) to wait as long, so neither answers with a timeout
-        while the request is in line. Envoy extends a message's timeout once, so the first
-        wait extends both for every wait the message may still do."""
-        del max_wait_s  # the whole message's bound is known in advance
-        if self._wait_extended:
-            return
-        self._wait_extended = True
-        server = self._snapshot.config.server
-        now = asyncio.get_running_loop().time()
-        ends_at = self._message_started + self._message_wait_s() + server.decision_timeout_s
-        if self._deadline is not None:
-            self._deadline.reschedule(ends_at)
+    def _extend_message_timeout(self, wait_s: float) -> None:
+        """The request waits (an Idempotency-Key's first run, a pool's queue): ask Envoy
+        (override_message_timeout, up to the filter's max_message_timeout) to wait as long
+        as the exchange's own decision deadline, so neither answers with a timeout while the
+        request is in line."""
         interim = self._interim
         if interim is not None and not interim.done():
-            interim.set_result(
-                messages.override_message_timeout(ends_at - now + QUEUE_DEADLINE_MARGIN_S)
-            )
+            interim.set_result(messages.override_message_timeout(wait_s + QUEUE_DEADLINE_MARGIN_S))
 
     def wants_interim(self, message: pb.ProcessingRequest) -> bool:
         """Whether this message's decision may wait in a pool's queue, so that the servicer
         must be able to send Envoy a message-timeout extension before the reply."""
         return (
             self.phase is Phase.REQUEST_BODY
-            and (bool(self._snapshot.queued_pools) or self._idempotency_key is not None)
+            and self._may_wait
             and message.WhichOneof("request") == "request_body"
         )
 
@@ -681,62 +550,33 @@ class StreamSession:
             dynamic_metadata=self._metadata(hit.reason),
         )
 
-    async def _parse(self, body: bytes, tenant: str) -> ParsedRequest:
-        if len(body) <= PARSE_OFF_LOOP_BYTES:
-            return parse_request(self._path, body)
-        # Megabytes of JSON take tens of milliseconds to parse: off the event loop, in the
-        # tenant's fair share of the workers, so other tenants' decisions go on.
-        try:
-            return await self._svc.tokenizers.run(
-                tenant, functools.partial(parse_request, self._path, body), cost=len(body)
-            )
-        except TokenizerBusy as busy:
-            raise Rejected(
-                Rejection(
-                    Reason.COUNTING_BUSY,
-                    "Too many of your requests are waiting to be read; "
-                    "retry when some have been answered.",
-                    retry_after_s=busy.retry_after_s,
-                )
-            ) from None
-
-    def _forwarded(self, ticket: Ticket) -> None:
-        """The request goes upstream: its lease is kept alive, its answer metered."""
-        self.ticket = ticket
-        self.request_id = ticket.request_id
-        self.phase = Phase.FORWARDED
-        self._meter = ResponseMeter(
-            strip_usage_event=ticket.usage_injected, stream_requested=ticket.request.stream
-        )
-        # Renewed on a timer for as long as the request is open, chunks or not.
-        self._svc.leases.keep(ticket.reservation)
-
-    def _reject(self, error: ApiError, reason: Reason | Answer) -> pb.ProcessingResponse:
+    def _reject(self, answer: ErrorAnswer, label: Reason | Outcome) -> pb.ProcessingResponse:
         self.phase = Phase.REJECTED
-        self._svc.metrics.requests.labels("rejected", reason.value).inc()
+        self._svc.metrics.requests.labels("rejected", label.value).inc()
         if self.tenant is not None:
-            self._svc.metrics.tenant_rejections.labels(self.tenant, reason.value).inc()
+            self._svc.metrics.tenant_rejections.labels(self.tenant, label.value).inc()
         log.debug(
             "rejected",
             extra={
                 "request_id": self.request_id,
                 "tenant": self.tenant,
-                "status": error.status,
-                "reason": reason.value,
+                "status": answer.status,
+                "reason": label.value,
             },
         )
         return messages.immediate_response(
-            error.status,
-            error.to_body(),
-            error.headers,
-            details=f"kvgate_{reason.value}",
-            dynamic_metadata=self._metadata(reason.value),
+            answer.status,
+            answer.to_body(),
+            answer.headers,
+            details=f"kvgate_{label.value}",
+            dynamic_metadata=self._metadata(label.value),
         )
 
     # ------------------------------------------------------------------ response path
 
     async def _on_response_headers(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
-        if not self.phase.unsettled or self._meter is None or self.ticket is None:
+        exchange = self._exchange
+        if not self.phase.unsettled or exchange is None:
             return messages.continue_response_headers()
         headers = messages.header_map_to_dict(http.headers)
         try:
@@ -744,102 +584,54 @@ class StreamSession:
         except ValueError:
             status = 0
         content_type = headers.get("content-type", "")
-        self._meter.on_headers(status, content_type)
-        self._answers.on_headers(status, content_type)
+        added = exchange.answer_headers(status, content_type)
         self.phase = Phase.RESPONSE
         if http.end_of_stream:
             # A body-less answer (e.g. an upstream error with no body): settle now.
-            await self._settle(self._end_cause())
-            return messages.continue_response_headers(
-                {**answer_headers(self.ticket), CACHE_HEADER: self._answers.cache_header}
-            )
+            await self._settle(exchange, exchange.end_cause())
+            return messages.continue_response_headers(added)
         return messages.continue_response_headers(
-            {**answer_headers(self.ticket), CACHE_HEADER: self._answers.cache_header},
+            added,
             buffer_body=not self._answer_seen_elsewhere
             and _small_json_answer(content_type, headers.get("content-length", "")),
         )
 
     async def _on_response_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
-        if not self.phase.unsettled or self._meter is None:
+        exchange = self._exchange
+        if not self.phase.unsettled or exchange is None:
             return messages.continue_response_body()
-        replacement = self._meter.on_chunk(http.body, end_of_stream=http.end_of_stream)
-        self._answers.on_chunk(http.body if replacement is None else replacement)
+        replacement = exchange.on_chunk(http.body, end_of_stream=http.end_of_stream)
         if not http.end_of_stream:
             return messages.continue_response_body(replacement)
-        cause = self._end_cause()
+        cause = exchange.end_cause()
         # Settled before replying (the reply may never be read); the store write goes on
         # in the background.
-        charged = await self._settle(cause)
+        charged = await self._settle(exchange, cause)
         meta = self._metadata("admitted")
-        if charged is not None and self.ticket is not None:
+        ticket = self.ticket
+        if charged is not None and ticket is not None:
             meta["output_tokens"] = charged.output_tokens
             meta["settled"] = cause.value
-            cost = self.ticket.pricing.cost(
+            cost = ticket.pricing.cost(
                 charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
             )
             meta["cost_usd"] = str(pico_to_usd(cost))
         return messages.continue_response_body(replacement, dynamic_metadata=meta)
 
-    def _end_cause(self) -> SettleCause:
-        accepted = self._meter is not None and self._meter.accepted
-        return SettleCause.COMPLETED if accepted else SettleCause.UPSTREAM_ERROR
-
-    async def _reading(self) -> ResponseReading:
-        assert self._meter is not None and self.ticket is not None
-        return await self._meter.reading(functools.partial(self._count_output, self.ticket))
-
-    async def _count_output(self, ticket: Ticket, text: str) -> int:
-        try:
-            return await self._svc.tokenizers.count_text(ticket.model, text, tenant=ticket.tenant)
-        except Exception:
-            # E.g. the model was removed by a reload since admission: the billing rule
-            # still charges at least one token per content event.
-            log.warning(
-                "could not count output tokens",
-                extra={"request_id": self.request_id, "model": ticket.model},
-                exc_info=True,
-            )
-            return 0
-
-    # ------------------------------------------------------------------ settlement
-
-    async def _settle(self, cause: SettleCause) -> ActualUsage | None:
-        """Settle once with what was seen; returns what was charged (None when this stream
-        has nothing to settle)."""
-        if not self.phase.unsettled or self.ticket is None:
-            return None
+    async def _settle(self, exchange: Exchange, cause: SettleCause) -> ActualUsage | None:
         self.phase = Phase.SETTLED  # before any await: exactly once
-        ticket = self.ticket
-        try:
-            reading = await self._reading()
-        except asyncio.CancelledError:
-            # Cancelled while counting: settle in the background with what is known.
-            self._svc.settler.settle(ticket, cause, ResponseReading(streamed=ticket.request.stream))
-            raise
-        # The store write is a tracked task of its own: it lands whatever happens to this
-        # stream, and the answer's last chunk does not wait for it (a Redis round trip).
-        charged, _ = self._svc.settler.settle(ticket, cause, reading)
-        self._answers.finish(cause, charged)
-        return charged
+        return await exchange.settle(cause)
 
     def close(self, *, shutting_down: bool) -> None:
         """The gRPC stream ended. If the request was admitted and not settled, the client
         went away (or Envoy gave up): settle with what was seen so far."""
-        if self.phase is not Phase.SETTLED:
-            # Cut before its answer ended: a retry with the key runs anew.
-            self._answers.abandon()
-        if not self.phase.unsettled or self.ticket is None:
+        exchange = self._exchange
+        if exchange is None:
             return
-        self._svc.metrics.stream_disconnects.labels(self.phase.value).inc()
-        self.phase = Phase.SETTLED
-        ticket = self.ticket
         cause = SettleCause.SHUTDOWN if shutting_down else SettleCause.DISCONNECTED
-
-        async def settle_after_disconnect() -> None:
-            reading = await self._reading()
-            await self._svc.settler.settle(ticket, cause, reading)[1]
-
-        self._svc.track(settle_after_disconnect())
+        if exchange.close(cause):
+            self._svc.metrics.stream_disconnects.labels(self.phase.value).inc()
+            self.phase = Phase.SETTLED
 
     # ------------------------------------------------------------------ helpers
 
@@ -849,8 +641,9 @@ class StreamSession:
             meta["tenant"] = self.tenant
         if isinstance(self._route, RouteSettings) and self._route.name:
             meta["route"] = self._route.name
-        if self._request is not None:
-            meta["model"] = self._request.model
+        request = self._exchange.request if self._exchange is not None else None
+        if request is not None:
+            meta["model"] = request.model
         ticket = self.ticket
         if ticket is not None:
             # After a budget fallback this is the model that really served the request.

@@ -32,6 +32,7 @@ from kvgate.policy import TenantPolicy
 
 if TYPE_CHECKING:
     from kvgate.lifecycle.idempotency import AnswerRecorder
+    from kvgate.lifecycle.protocol import ErrorVocabulary
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,8 @@ class AnswerQuery:
     idempotency_key: str | None
     # Called when the request starts waiting (its deadlines move for the wait).
     on_wait: Callable[[float], None]
+    # The request's API's refusals: a source that refuses answers in its shape.
+    errors: ErrorVocabulary
     # Whether this stream sees the answer at all (the split layout's request path does not:
     # nothing it runs can be kept).
     sees_answer: bool = True

@@ -32,8 +32,8 @@ from kvgate.cache.answers import (
 from kvgate.config.model import IdempotencyConfig
 from kvgate.lifecycle.admission import Rejected, Rejection
 from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Bypass, Hit, Miss
+from kvgate.lifecycle.protocol import ClientError
 from kvgate.metrics import Metrics
-from kvgate.openai import errors as api_errors
 from kvgate.openai.completeness import answer_defect
 from kvgate.policy import ActualUsage, Reason, SettleCause
 
@@ -366,6 +366,7 @@ class IdempotencySource(AnswerSource):
         assert query.idempotency_key is not None
         config = query.snapshot.config
         metrics = self._metrics
+        errors = query.errors
         try:
             outcome = await claim_key(
                 self._store,
@@ -410,12 +411,14 @@ class IdempotencySource(AnswerSource):
             )
         if outcome.verdict is KeyVerdict.NOT_KEPT:
             assert answer is not None
-            raise api_errors.idempotency_answer_not_kept(answer.not_kept)
+            raise ClientError(errors.idempotency_answer_not_kept(answer.not_kept))
         if outcome.verdict is KeyVerdict.MISMATCH:
-            raise api_errors.idempotency_key_reused()
+            raise ClientError(errors.idempotency_key_reused())
         if outcome.verdict is KeyVerdict.TOO_MANY_WAITING:
-            raise api_errors.idempotency_waiters_exceeded(retry_after_s=1)
+            raise ClientError(errors.idempotency_waiters_exceeded(retry_after_s=1))
         if outcome.verdict is KeyVerdict.QUOTA_EXHAUSTED:
             metrics.answers_not_stored.labels("no_room").inc()
-            raise api_errors.idempotency_keys_exhausted(retry_after_s=KEYS_EXHAUSTED_RETRY_S)
-        raise api_errors.idempotency_key_in_progress(retry_after_s=1)
+            raise ClientError(
+                errors.idempotency_keys_exhausted(retry_after_s=KEYS_EXHAUSTED_RETRY_S)
+            )
+        raise ClientError(errors.idempotency_key_in_progress(retry_after_s=1))

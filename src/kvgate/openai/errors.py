@@ -22,17 +22,29 @@ import math
 import re
 from collections.abc import Mapping
 
+from kvgate.policy import RateLimitView
+
 __all__ = [
     "ApiError",
     "clip",
     "context_length_exceeded",
+    "format_reset",
+    "idempotency_answer_not_kept",
+    "idempotency_key_in_progress",
+    "idempotency_key_reused",
+    "idempotency_keys_exhausted",
+    "idempotency_waiters_exceeded",
+    "internal_error",
     "invalid_api_key",
     "invalid_request",
     "method_not_allowed",
     "missing_api_key",
     "model_not_found",
+    "rate_limit_headers",
     "rate_limited",
+    "route_misconfigured",
     "service_unavailable",
+    "tenant_not_allowed_on_route",
     "unsupported_path",
     "without_addresses",
 ]
@@ -393,3 +405,37 @@ def tenant_not_allowed_on_route() -> ApiError:
 def internal_error(message: str = "kvgate could not process this request.") -> ApiError:
     """500: a fault in kvgate or its deployment, not in the request."""
     return ApiError(500, message, "server_error", "internal_error", None)
+
+
+# --------------------------------------------------------------------------- x-ratelimit-*
+
+
+def format_reset(seconds: float) -> str:
+    """OpenAI's duration style: "20ms", "1s", "7.66s", "6m0s", "1h2m3s"."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    secs_text = f"{secs:.2f}".rstrip("0").rstrip(".")
+    if hours >= 1:
+        return f"{int(hours)}h{int(minutes)}m{secs_text}s"
+    if minutes >= 1:
+        return f"{int(minutes)}m{secs_text}s"
+    return f"{secs_text}s"
+
+
+def rate_limit_headers(view: RateLimitView | None) -> dict[str, str]:
+    if view is None:
+        return {}
+    headers: dict[str, str] = {}
+    if view.limit_requests is not None:
+        headers["x-ratelimit-limit-requests"] = str(view.limit_requests)
+        headers["x-ratelimit-remaining-requests"] = str(view.remaining_requests)
+        headers["x-ratelimit-reset-requests"] = format_reset(view.reset_requests_s or 0.0)
+    if view.limit_tokens is not None:
+        headers["x-ratelimit-limit-tokens"] = str(view.limit_tokens)
+        headers["x-ratelimit-remaining-tokens"] = str(view.remaining_tokens)
+        headers["x-ratelimit-reset-tokens"] = format_reset(view.reset_tokens_s or 0.0)
+    return headers

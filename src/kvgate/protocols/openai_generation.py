@@ -1,0 +1,46 @@
+"""OpenAI's text-generation APIs: chat completions and completions.
+
+Both read the same request grammar (``kvgate.openai.parse_request`` tells them apart by
+path), answer with a JSON body or an SSE stream whose last event may carry usage, and
+refuse with OpenAI's error body and x-ratelimit-* headers.
+"""
+
+from __future__ import annotations
+
+from kvgate.lifecycle.meter import ResponseMeter
+from kvgate.lifecycle.protocol import AnswerMeter, ApiProtocol, ClientError
+from kvgate.lifecycle.ticket import Ticket
+from kvgate.openai import ApiError, ParsedRequest, parse_request, rewrite_body
+from kvgate.openai import errors as openai_errors
+
+
+class OpenAIGeneration(ApiProtocol):
+    def __init__(self, name: str, path: str) -> None:
+        super().__init__(name, path, openai_errors)
+
+    def parse(self, body: bytes) -> ParsedRequest:
+        try:
+            return parse_request(self.path, body)
+        except ApiError as error:
+            raise ClientError(error) from None
+
+    def wants_usage_report(self, request: ParsedRequest) -> bool:
+        # Exact output counts need the stream's usage event: asked for when the client
+        # did not (stream_options.include_usage), and stripped again by the meter.
+        return request.stream and not request.include_usage_requested
+
+    def forward_body(self, ticket: Ticket) -> bytes | None:
+        new_cap = ticket.max_new_tokens if ticket.body_needs_cap else None
+        if not (ticket.usage_injected or ticket.new_model or new_cap is not None):
+            return None
+        return rewrite_body(
+            ticket.request.body,
+            model=ticket.new_model,
+            max_tokens=new_cap,
+            force_usage=ticket.usage_injected,
+        )
+
+    def meter(self, ticket: Ticket) -> AnswerMeter:
+        return ResponseMeter(
+            strip_usage_event=ticket.usage_injected, stream_requested=ticket.request.stream
+        )
