@@ -429,7 +429,7 @@ def test_a_passing_precheck_can_take_the_request_slot() -> None:
     assert decision.rate_limits.remaining_requests == 2
     assert (level(""), level("m")) == (2, 1)
     assert decision.reservation is not None and decision.reservation.hold is not None
-    assert not decision.reservation.hold.request_taken
+    assert decision.reservation.hold.request_slot_taken
     tenant_limits.release(
         rig.policy,
         rig.state,

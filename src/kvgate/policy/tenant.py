@@ -92,9 +92,9 @@ class TenantHold:
     cost_pico: int
     period_keys: tuple[tuple[Period, str], ...]
     concurrency_scopes: tuple[str, ...]
-    # This reservation took the RPM request (False: the pre-check took it), so an abandon
-    # gives back only what the reserve took.
-    request_taken: bool = True
+    # The pre-check took the RPM request, not this reservation (the request's
+    # `request_slot_taken`): an abandon gives back only what the reserve took.
+    request_slot_taken: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +286,7 @@ def apply(
         cost_pico=cost_pico,
         period_keys=keys,
         concurrency_scopes=tuple(concurrency_scopes),
-        request_taken=not request_slot_taken,
+        request_slot_taken=request_slot_taken,
     )
 
 
@@ -319,7 +319,7 @@ def release(
         limits = limits_by_scope.get(scope_key, ScopeLimits())
         scope = state.scope(scope_key, limits, now)
         scope.in_flight = max(0, scope.in_flight - 1)
-        if refund_request and hold.request_taken and scope.requests is not None:
+        if refund_request and not hold.request_slot_taken and scope.requests is not None:
             scope.requests.give_back(1, now)
         if scope.tokens is not None:
             scope.tokens.give_back(hold.tokens - used_tokens, now)

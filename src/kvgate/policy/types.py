@@ -92,8 +92,8 @@ class AdmissionRequest:
     cost_pico: int = 0
     # The tenant's RPM request slot was already taken by the pre-check (StateStore.precheck
     # with take_request_slot): the reserve does not take it again (nor refuse for RPM, unless
-    # a bucket is in debt) and an abandon does not give it back. The one name of this fact
-    # (the Redis record spells it "pre").
+    # a bucket is in debt) and an abandon does not give it back. The one name of this fact,
+    # from the admission down to the tenant's hold (the Redis record spells it "pre").
     request_slot_taken: bool = False
 
     @property

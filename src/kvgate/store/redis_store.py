@@ -271,7 +271,7 @@ def _reservation_from_record(
         cost_pico=int(rec["cost"]),
         period_keys=((Period.DAY, rec["dk"]), (Period.MONTH, rec["mk"])),
         concurrency_scopes=tuple(rec["sc"] or ()),
-        request_taken=not rec.get("pre"),
+        request_slot_taken=bool(rec.get("pre")),
     )
     return Reservation(
         reservation_id=reservation_id,
