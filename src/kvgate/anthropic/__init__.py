@@ -1,0 +1,23 @@
+"""Anthropic's Messages API wire format, as vLLM 0.34 serves it on ``/v1/messages``:
+request validation and its conversion into the chat request the engine runs
+(``requests``), error bodies and ``anthropic-ratelimit-*`` headers (``errors``), and
+reading answers for the bill (``answers``, ``meter``). No gRPC, no I/O.
+"""
+
+from .answers import MessagesStreamReader, MessageUsage, MessageUsageScanner, message_usage
+from .errors import ERRORS, AnthropicError, AnthropicErrors
+from .requests import MESSAGES_PATH, MessagesRequest, parse_messages_request, rewrite_messages_body
+
+__all__ = [
+    "ERRORS",
+    "MESSAGES_PATH",
+    "AnthropicError",
+    "AnthropicErrors",
+    "MessageUsage",
+    "MessageUsageScanner",
+    "MessagesRequest",
+    "MessagesStreamReader",
+    "message_usage",
+    "parse_messages_request",
+    "rewrite_messages_body",
+]
