@@ -218,7 +218,11 @@ class Exchange:
             errors=self.api.errors,
             sees_answer=self._sees_answer,
         )
-        sources = [source for source in self._svc.answer_sources if source.applies(query)]
+        sources = (
+            [source for source in self._svc.answer_sources if source.applies(query)]
+            if self.api.reuses_answers
+            else []
+        )
         self._answers = self._svc.answer_run(sources)
         slot_taken = False
         if sources:

@@ -157,6 +157,12 @@ class AnswerMeter(Protocol):
 class ApiProtocol(abc.ABC):
     """One API kvgate meters, served on one path."""
 
+    # Whether the answer layer (Idempotency-Key replays, the exact and semantic caches) may
+    # keep and serve this API's answers: it judges an answer complete by OpenAI's rules
+    # (kvgate.openai.completeness). An API whose answers those rules cannot read says False,
+    # and its requests skip every answer source.
+    reuses_answers: bool = True
+
     def __init__(self, name: str, path: str, errors: ErrorVocabulary) -> None:
         # The metric and log name of the API.
         self.name = name

@@ -1,0 +1,58 @@
+"""Anthropic's Messages API (``POST /v1/messages``), as vLLM 0.34 serves it.
+
+vLLM converts a Messages body into a chat completion request and runs its chat path, so
+the canonical request is that converted chat request (``kvgate.anthropic.requests``) and
+its prompt is counted as any chat prompt. The client's own body is forwarded (rewritten
+only for a budget fallback's model or a clamp's ``max_tokens``). Anthropic streams always
+carry their usage (``message_start``, ``message_delta``), so nothing is injected and
+nothing stripped; the meter reads Anthropic's JSON ``message`` or its named SSE events.
+Refusals are in Anthropic's shape with ``anthropic-ratelimit-*`` headers.
+
+kvgate's answer layer (Idempotency-Key replays, the exact and semantic caches) judges an
+answer complete by OpenAI's rules, which do not read an Anthropic answer: it does not
+apply to this API (``reuses_answers``); an Idempotency-Key sent with it is ignored.
+"""
+
+from __future__ import annotations
+
+from kvgate.anthropic import (
+    ERRORS,
+    MESSAGES_PATH,
+    AnthropicError,
+    MessagesRequest,
+    parse_messages_request,
+    rewrite_messages_body,
+)
+from kvgate.anthropic.meter import MessagesMeter
+from kvgate.lifecycle.protocol import AnswerMeter, ApiProtocol, ClientError
+from kvgate.lifecycle.ticket import Ticket
+from kvgate.openai import ParsedRequest
+
+
+class AnthropicMessages(ApiProtocol):
+    reuses_answers = False
+
+    def __init__(self, name: str = "anthropic_messages", path: str = MESSAGES_PATH) -> None:
+        super().__init__(name, path, ERRORS)
+
+    def parse(self, body: bytes) -> ParsedRequest:
+        try:
+            return parse_messages_request(body)
+        except AnthropicError as error:
+            raise ClientError(error) from None
+
+    def wants_usage_report(self, request: ParsedRequest) -> bool:
+        # message_start and message_delta always carry the usage.
+        return False
+
+    def forward_body(self, ticket: Ticket) -> bytes | None:
+        new_cap = ticket.max_new_tokens if ticket.body_needs_cap else None
+        if not (ticket.new_model or new_cap is not None):
+            return None
+        request = ticket.request
+        # Only a MessagesRequest reaches a ticket of this API (parse made it).
+        assert isinstance(request, MessagesRequest)
+        return rewrite_messages_body(request.wire_body, model=ticket.new_model, max_tokens=new_cap)
+
+    def meter(self, ticket: Ticket) -> AnswerMeter:
+        return MessagesMeter(stream_requested=ticket.request.stream)
