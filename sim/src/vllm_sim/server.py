@@ -332,6 +332,12 @@ class VllmSim:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
+        # vLLM's Anthropic Messages API (imported here: the module builds on this one).
+        from vllm_sim.anthropic import AnthropicRoutes
+
+        anthropic = AnthropicRoutes(self)
+        app.router.add_post("/v1/messages", anthropic.messages)
+        app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
         app.router.add_get("/sim/stats", self.sim_stats)
         app.router.add_get("/sim/requests", self.sim_requests)
         app.router.add_post("/sim/reset", self.sim_reset)
