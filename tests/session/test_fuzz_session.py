@@ -39,7 +39,8 @@ from hypothesis import strategies as st
 
 from kvgate.app import KvgateServer
 from kvgate.config import parse_config
-from kvgate.extproc.session import Phase, StreamSession
+from kvgate.extproc.handlers import Phase
+from kvgate.extproc.session import StreamSession
 from kvgate.lifecycle.billing import CutRequestCharge, ResponseReading, charged_usage
 from kvgate.policy import ActualUsage, SettleCause
 from tests.session.conftest import API_KEY, make_config

@@ -138,10 +138,11 @@ def config_field_paths() -> set[str]:
 
 
 def test_every_config_field_is_classified() -> None:
-    """A field added to the config model fails here until reload.py says how it applies."""
+    """A field added to the config model fails here until its type says how it applies
+    (Reload[T] or Restart[T])."""
     paths = config_field_paths()
     assert {"server.lease_ttl_s", "tenants.*.model_limits.*.tpm.capacity"} <= paths
-    assert sorted(paths - FIELD_CLASSES.keys()) == [], "classify these in FIELD_CLASSES"
+    assert sorted(paths - FIELD_CLASSES.keys()) == [], "type these Reload[T] or Restart[T]"
     assert sorted(FIELD_CLASSES.keys() - paths) == [], "these name no config field"
     assert set(FIELD_CLASSES.values()) == {RELOAD, RESTART}
     # Restart-only fields are compared by path: none may sit under a list or mapping.

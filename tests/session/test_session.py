@@ -8,7 +8,7 @@ import grpc
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
-from kvgate.extproc.session import BUFFERED_ANSWER_MAX_BYTES
+from kvgate.extproc.handlers import BUFFERED_ANSWER_MAX_BYTES
 from tests.session.conftest import (
     SessionRig,
     body_msg,

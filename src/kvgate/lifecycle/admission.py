@@ -173,15 +173,14 @@ class Admission:
         priority: int = 0,
         on_queued: Callable[[float], None] | None = None,
         backend: str | None = None,
-        slot_taken: bool = False,
+        request_slot_taken: bool = False,
     ) -> Ticket:
         """A ticket for the admitted request, or `Rejected`. `admission_id` keys the
         reservation in the store (unique per request); `request_id` is the client's.
         `priority` is its class in a pool's queue; `on_queued(max_wait_s)` is called when
         it starts waiting there (the adapter extends its deadlines); `backend` replaces the
-        model's own backend (a route's setting); `slot_taken` says `request_slot_taken`: the
-        request's RPM slot was taken already (`take_request_slot`, before the answer
-        sources)."""
+        model's own backend (a route's setting); `request_slot_taken`: the request's RPM slot
+        was taken already (`take_request_slot`, before the answer sources)."""
         self._priority = priority
         self._on_queued = on_queued
         route = self._snapshot.models.get(request.model)
@@ -194,7 +193,7 @@ class Admission:
         # Once the pre-check took the tenant's RPM request, no later step takes it again (the
         # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
         request_slot_taken = await self._reject_early(
-            request, tenant, route, admission_id, slot_taken
+            request, tenant, route, admission_id, request_slot_taken
         )
         sized = await self._size(request, tenant, route, request.max_new_tokens)
         decision, endpoint = await self._reserve(

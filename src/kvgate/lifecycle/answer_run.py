@@ -69,7 +69,7 @@ class AnswerRun:
             answer = hit.answer
             if charge.mode == "full" and route is not None:
                 decision = await charge_hit(
-                    self.store, query.tenant, route, answer, query.owner, slot_taken=True
+                    self.store, query.tenant, route, answer, query.owner, request_slot_taken=True
                 )
                 if not decision.admitted:
                     raise Rejected(rejection_of(decision))

@@ -224,12 +224,14 @@ class Exchange:
             else []
         )
         self._answers = self._svc.answer_run(sources)
-        slot_taken = False
+        request_slot_taken = False
         if sources:
             # What the answer layer does for a tenant is a request it made: the RPM slot is
             # taken first, in O(1), so a tenant over its limit gets its 429 before any of
             # the body is digested, looked up, embedded or waited on.
-            slot_taken = await admission.take_request_slot(request, self.tenant, self._admission_id)
+            request_slot_taken = await admission.take_request_slot(
+                request, self.tenant, self._admission_id
+            )
             digest = await self._off_loop(body_digest, request.body, request.body_bytes)
             hit = await self._answers.lookup(query, digest)
             if hit is not None:
@@ -243,7 +245,7 @@ class Exchange:
                 priority=self._priority,
                 on_queued=self._waiting,
                 backend=self._route.backend,
-                slot_taken=slot_taken,
+                request_slot_taken=request_slot_taken,
             )
         except BaseException:
             # Refused, or the client left: nothing ran, so a retry with the key runs anew.

@@ -188,7 +188,7 @@ async def charge_hit(
     answer: StoredAnswer,
     request_id: str,
     *,
-    slot_taken: bool = False,
+    request_slot_taken: bool = False,
 ) -> Decision:
     """`hit_charge: full`: the hit takes what the stored answer took from the tenant's TPM,
     RPM and budgets, atomically like any admission (a tenant over its limits gets the 429
@@ -201,7 +201,7 @@ async def charge_hit(
         prompt_tokens=answer.prompt_tokens,
         max_new_tokens=answer.output_tokens,
         cost_pico=route.pricing.worst_case(answer.prompt_tokens, answer.output_tokens),
-        request_slot_taken=slot_taken,
+        request_slot_taken=request_slot_taken,
     )
     decision = await store.reserve(request, NO_KV, tenant)
     if decision.admitted and decision.reservation is not None:
