@@ -211,10 +211,8 @@ async def test_a_wait_moves_the_decision_deadline_once(server: KvgateServer) -> 
 
 
 def test_the_openai_protocols_by_path() -> None:
-    assert METERED_APIS == {
-        "/v1/chat/completions": CHAT_COMPLETIONS,
-        "/v1/completions": COMPLETIONS,
-    }
+    assert METERED_APIS["/v1/chat/completions"] is CHAT_COMPLETIONS
+    assert METERED_APIS["/v1/completions"] is COMPLETIONS
     request = COMPLETIONS.parse(json.dumps({"model": MODEL, "prompt": ["a", "b"], "n": 2}).encode())
     assert request.num_prompts == 2 and request.n == 2
     with pytest.raises(ClientError) as error:
