@@ -7,7 +7,7 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from aiohttp import web
@@ -87,6 +87,10 @@ EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # server ("") stays SERVING: kvgate still answers (503 + Retry-After under fail_closed, local
 # limits under fail_open), and Envoy must keep sending it traffic for that.
 STORE_HEALTH_SERVICE = "kvgate.store"
+# protoc's gRPC plugin annotates nothing it generates: its registration function, typed.
+_add_admin_servicer = cast(
+    Callable[[AdminService, grpc.aio.Server], None], admin_pb2_grpc.add_AdminServicer_to_server
+)
 
 
 def load_tokenizers(config: KvgateConfig) -> TokenizerService:
@@ -506,9 +510,7 @@ class KvgateServer:
                 ),
             ],
         )
-        admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminService(self.services, self.snapshots, self.reloader), self._admin
-        )
+        _add_admin_servicer(AdminService(self.services, self.snapshots, self.reloader), self._admin)
         reflection.enable_server_reflection(
             (admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME),
             self._admin,

@@ -155,7 +155,10 @@ class Tracing:
         context = self._propagator.extract(headers)
         if self._trust_parent_sampling:
             return context
-        trace = self._trace
+        # Imported by __init__ already (a sys.modules look-up): the typed module, which
+        # self._trace (a ModuleType to the type checker) is not.
+        from opentelemetry import trace
+
         incoming = trace.get_current_span(context).get_span_context()
         if not incoming.is_valid:
             return None  # malformed: kvgate starts a trace of its own

@@ -321,12 +321,12 @@ class OperatorAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusing_handler(
-    handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str
-) -> grpc.RpcMethodHandler:
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    handler: grpc.RpcMethodHandler[Any, Any] | None, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler[Any, Any]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(code, message)
 
-    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(code, message)
         yield  # pragma: no cover - an async generator that never yields
 

@@ -13,9 +13,10 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -32,6 +33,8 @@ TLS_ENV = {
     "tls_key": "KVGATE_ADMIN_TLS_KEY",
     "tls_server_name": "KVGATE_ADMIN_TLS_SERVER_NAME",
 }
+# protoc's gRPC plugin annotates nothing it generates: the stub's constructor, typed.
+_admin_stub = cast(Callable[[grpc.aio.Channel], admin_pb2_grpc.AdminStub], admin_pb2_grpc.AdminStub)
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ async def _call(
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     channel_context = tls.channel(address) if tls else grpc.aio.insecure_channel(address)
     async with channel_context as channel:
-        stub = admin_pb2_grpc.AdminStub(channel)
+        stub = _admin_stub(channel)
         return await getattr(stub, method)(request, timeout=timeout_s, metadata=metadata)
 
 

@@ -164,12 +164,14 @@ class CertificateIdentityInterceptor(grpc.aio.ServerInterceptor):
 # typeshed types a method handler's behaviours as the sync server's; under grpc.aio they are
 # coroutine functions (one response) or async generator functions (streamed responses), called
 # with the aio context.
-_AioUnary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-_AioStreaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+_AioUnary = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+_AioStreaming = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]
 
 
-def _checked_handler(handler: grpc.RpcMethodHandler[Any, Any], gate: ClientIdentityGate) -> Any:
-    async def admit(context: grpc.aio.ServicerContext) -> None:
+def _checked_handler(
+    handler: grpc.RpcMethodHandler[Any, Any], gate: ClientIdentityGate
+) -> grpc.RpcMethodHandler[Any, Any]:
+    async def admit(context: grpc.aio.ServicerContext[Any, Any]) -> None:
         if not gate.enforcing():
             return  # no list: skip reading the peer's certificate on every stream
         refusal = gate.refusal(identity_from_auth_context(context.auth_context()))
@@ -180,7 +182,7 @@ def _checked_handler(handler: grpc.RpcMethodHandler[Any, Any], gate: ClientIdent
     if handler.unary_unary:
         inner_uu = cast(_AioUnary, handler.unary_unary)
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await admit(context)
             return await inner_uu(request, context)
 
@@ -188,7 +190,7 @@ def _checked_handler(handler: grpc.RpcMethodHandler[Any, Any], gate: ClientIdent
     if handler.unary_stream:
         inner_us = cast(_AioStreaming, handler.unary_stream)
 
-        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await admit(context)
             async for response in inner_us(request, context):
                 yield response
@@ -197,14 +199,14 @@ def _checked_handler(handler: grpc.RpcMethodHandler[Any, Any], gate: ClientIdent
     if handler.stream_unary:
         inner_su = cast(_AioUnary, handler.stream_unary)
 
-        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await admit(context)
             return await inner_su(requests, context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
     inner_ss = cast(_AioStreaming, handler.stream_stream)  # the only kind left
 
-    async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def stream_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await admit(context)
         async for response in inner_ss(requests, context):
             yield response

@@ -63,7 +63,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self._reloader = reloader
 
     async def GetTenantUsage(  # the gRPC method name
-        self, request: admin_pb2.GetTenantUsageRequest, context: grpc.aio.ServicerContext
+        self,
+        request: admin_pb2.GetTenantUsageRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.GetTenantUsageRequest, admin_pb2.TenantUsage],
     ) -> admin_pb2.TenantUsage:
         snapshot = self._snapshots.current
         if request.tenant not in snapshot.tenants:
@@ -74,7 +76,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return tenant_usage_message(report)
 
     async def ListTenantUsage(
-        self, request: admin_pb2.ListTenantUsageRequest, context: grpc.aio.ServicerContext
+        self,
+        request: admin_pb2.ListTenantUsageRequest,
+        context: grpc.aio.ServicerContext[
+            admin_pb2.ListTenantUsageRequest, admin_pb2.ListTenantUsageResponse
+        ],
     ) -> admin_pb2.ListTenantUsageResponse:
         snapshot = self._snapshots.current
         return admin_pb2.ListTenantUsageResponse(
@@ -89,7 +95,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
 
     async def ListBackends(
-        self, request: admin_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: admin_pb2.ListBackendsRequest,
+        context: grpc.aio.ServicerContext[
+            admin_pb2.ListBackendsRequest, admin_pb2.ListBackendsResponse
+        ],
     ) -> admin_pb2.ListBackendsResponse:
         status = {s.name: s for s in await self._services.store.backend_status()}
         backends = []
@@ -107,7 +117,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ListBackendsResponse(backends=backends)
 
     async def Reload(
-        self, request: admin_pb2.ReloadRequest, context: grpc.aio.ServicerContext
+        self,
+        request: admin_pb2.ReloadRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.ReloadRequest, admin_pb2.ReloadResponse],
     ) -> admin_pb2.ReloadResponse:
         if self._reloader is None:
             await context.abort(

@@ -27,11 +27,15 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
+
+if TYPE_CHECKING:
+    from redis.commands.core import AsyncScript
+    from redis.typing import EncodableT
 
 # What an answer store raises when it cannot be reached in time: its callers' failure policy
 # (fail open or closed) decides, and no caller needs to know which store it was.
@@ -637,12 +641,13 @@ class RedisAnswerStore:
         self._memory_room = room
 
     async def _call(
-        self, script: object, key: str, quota: AnswerQuota | None, *args: object
+        self, script: AsyncScript, key: str, quota: AnswerQuota | None, *args: EncodableT
     ) -> list[bytes] | int:
         index = self._index_key(key, quota)
         keys = [self._prefix + key, index + "|z", index + "|s"]
         async with asyncio.timeout(self._timeout_s):
-            return await script(keys=keys, args=list(args))  # type: ignore[operator]
+            # redis-py leaves a script's reply untyped: these scripts answer a list or an int.
+            return cast("list[bytes] | int", await script(keys=keys, args=list(args)))
 
     def _index_key(self, key: str, quota: AnswerQuota | None) -> str:
         if quota is None:

@@ -658,7 +658,7 @@ class BackendConfig(_Strict):
         if self.kv_budget_tokens == "auto":
             if self.discovery is None:
                 raise ValueError("kv_budget_tokens: auto needs a discovery.metrics_url")
-        elif self.kv_budget_tokens < self.kv_block_size:  # type: ignore[operator]
+        elif self.kv_budget_tokens < self.kv_block_size:
             raise ValueError("kv_budget_tokens must hold at least one KV block")
         capped = "max_auto_kv_budget_tokens" in self.model_fields_set
         if capped and self.kv_budget_tokens != "auto":

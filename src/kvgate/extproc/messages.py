@@ -164,7 +164,7 @@ def immediate_response(
     all_headers.update(headers or {})
     response = pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=header_mutation(all_headers),
             body=body,
             details=details,

@@ -17,14 +17,15 @@ from kvgate.extproc.session import StreamSession
 log = logging.getLogger("kvgate.extproc")
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+# xds-protos ships no type information: its servicer base class is Any to the type checker.
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, services: GatewayServices) -> None:
         self._services = services
 
     async def Process(  # the gRPC method name
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         session = StreamSession(self._services, route=_route_settings(context))
         try:
@@ -46,7 +47,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             session.close(shutting_down=self._services.shutting_down)
 
 
-def _route_settings(context: grpc.aio.ServicerContext) -> RouteSettings | RouteSettingsError:
+def _route_settings(
+    context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+) -> RouteSettings | RouteSettingsError:
     """The per-route settings Envoy sent as the stream's gRPC metadata (or why they are bad:
     the session answers that on the request's first message)."""
     try:

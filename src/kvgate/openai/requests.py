@@ -389,7 +389,7 @@ def _list_of_objects(value: object, param: str) -> list[dict[str, Any]]:
     for i, item in enumerate(value):
         if type(item) is not dict:
             raise _type_error(f"{param}[{i}]", "an object", item)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _tools(value: object) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions as rex
@@ -169,7 +169,10 @@ def connect(settings: RedisSettings) -> aioredis.Redis | RedisCluster:
                 "password": settings.sentinel_password,
             },
         )
-        return sentinel.master_for(settings.sentinel_master, **common, **master_kwargs)
+        # redis-py leaves master_for unannotated; it builds its redis_class, Redis by default.
+        return cast(
+            aioredis.Redis, sentinel.master_for(settings.sentinel_master, **common, **master_kwargs)
+        )
     return aioredis.Redis.from_url(settings.url, **common, **credentials)
 
 
@@ -675,7 +678,7 @@ class RedisStore:
     async def usage_totals(self) -> dict[tuple[str, str], UsageTotals]:
         raw: dict[Any, Any] = await self._bounded(
             "usage_totals",
-            lambda: self._client.hgetall(f"{self._tag}:tot"),  # type: ignore[arg-type]
+            lambda: self._client.hgetall(f"{self._tag}:tot"),
         )
         totals: dict[tuple[str, str], UsageTotals] = {}
         for name, value in raw.items():

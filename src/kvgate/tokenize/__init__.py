@@ -6,7 +6,8 @@ from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
 from kvgate.tokenize.loader import resolve_tokenizer_dir
 from kvgate.tokenize.messages import normalize_tools, parse_messages
 from kvgate.tokenize.modes import TokenizerMode, detect_tokenizer_mode, load_counter
-from kvgate.tokenize.service import CacheStats, TokenizerBusy, TokenizerService
+from kvgate.tokenize.segments import CacheStats
+from kvgate.tokenize.service import TokenizerBusy, TokenizerService
 
 __all__ = [
     "CacheStats",

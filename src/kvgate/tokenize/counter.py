@@ -62,8 +62,10 @@ def _token_text(value: Any) -> str | None:
     """tokenizer_config stores a special token as a string or an AddedToken dict."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, Mapping):
+        content = value.get("content")
+        if isinstance(content, str):
+            return content
     return None
 
 

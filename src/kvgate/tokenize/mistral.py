@@ -32,7 +32,15 @@ from kvgate.tokenize.request_fields import sent_by_client
 from kvgate.tokenize.segments import MIN_CACHED_CHARS, SegmentCountCache, segment_key
 
 if TYPE_CHECKING:
+    from mistral_common.protocol.instruct.messages import (
+        AssistantMessage,
+        ChatMessage,
+        SystemMessage,
+        ToolMessage,
+        UserMessage,
+    )
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.base import Tokenized
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
 # vLLM's Mistral tool-call ids are 9 characters: longer ones keep their tail.
@@ -59,7 +67,14 @@ class MistralPromptCounter(CountingApi):
     # mistral_common builds every chat prompt itself (no template file, none needed).
     has_chat_template = True
 
-    def __init__(self, tokenizer: MistralTokenizer, *, name: str = "") -> None:
+    def __init__(
+        self,
+        tokenizer: MistralTokenizer[
+            UserMessage, AssistantMessage, ToolMessage, SystemMessage, Tokenized
+        ],
+        *,
+        name: str = "",
+    ) -> None:
         self.name = name
         self._mistral = tokenizer
         self._text = tokenizer.instruct_tokenizer.tokenizer
@@ -197,7 +212,7 @@ class MistralPromptCounter(CountingApi):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> ChatCompletionRequest:
+    ) -> ChatCompletionRequest[ChatMessage]:
         """mistral_common's request for these messages, shaped as vLLM shapes it."""
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
@@ -231,7 +246,7 @@ class MistralPromptCounter(CountingApi):
         except Exception as exc:  # pydantic and mistral_common validation errors
             raise PromptRenderError(f"the request does not fit the Mistral format: {exc}") from exc
 
-    def _encode_request(self, request: ChatCompletionRequest) -> list[int]:
+    def _encode_request(self, request: ChatCompletionRequest[ChatMessage]) -> list[int]:
         try:
             tokens: list[int] = self._mistral.encode_chat_completion(request).tokens
         except Exception as exc:  # mistral_common asserts and raises its own exceptions

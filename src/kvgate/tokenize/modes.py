@@ -156,7 +156,7 @@ def resolve_tokenizer_mode(configured: str, model_dir: Path) -> ResolvedMode:
             "tokenizer_mode harmony on a model whose config.json is not gpt_oss: vLLM "
             "renders its chats with the chat template",
         )
-    return configured  # type: ignore[return-value]
+    return configured
 
 
 def load_counter(
