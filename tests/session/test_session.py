@@ -286,3 +286,21 @@ async def test_counting_metrics(rig: SessionRig) -> None:
     assert samples["kvgate_prompt_segment_cache_hits_total"] >= 1
     assert samples["kvgate_prompt_segment_cache_misses_total"] >= 1
     assert samples["kvgate_prompt_segment_cache_entries"] >= 1
+
+
+async def test_a_second_request_head_on_one_stream_is_not_taken(rig: SessionRig) -> None:
+    """Envoy sends one request head per stream; a second one (another path, another key)
+    changes nothing: the body is decided as the first head said, and settles once."""
+    stream = rig.stream()
+    await stream.exchange(headers_msg())
+    again = await stream.exchange(headers_msg("/v1/models", "GET", key="sk-other"))
+    assert again.WhichOneof("response") == "request_headers"
+    assert not again.request_headers.response.HasField("header_mutation")
+    reply = await stream.exchange(body_msg(CHAT))
+    assert reply.WhichOneof("response") == "request_body"
+    assert (await rig.in_flight())[1] == 1
+    await stream.exchange(response_headers_msg(content_type="application/json"))
+    answer = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+    await stream.exchange(response_body_msg(json.dumps(answer).encode(), end_of_stream=True))
+    assert await rig.in_flight() == (0, 0)
+    assert await rig.usage() == (1, 5, 2)
