@@ -19,6 +19,7 @@ from kvgate.anthropic import (
     ERRORS,
     MESSAGES_PATH,
     AnthropicError,
+    AnthropicErrors,
     MessagesRequest,
     parse_messages_request,
     rewrite_messages_body,
@@ -32,8 +33,13 @@ from kvgate.openai import ParsedRequest
 class AnthropicMessages(ApiProtocol):
     reuses_answers = False
 
-    def __init__(self, name: str = "anthropic_messages", path: str = MESSAGES_PATH) -> None:
-        super().__init__(name, path, ERRORS)
+    def __init__(
+        self,
+        name: str = "anthropic_messages",
+        path: str = MESSAGES_PATH,
+        errors: AnthropicErrors = ERRORS,
+    ) -> None:
+        super().__init__(name, path, errors)
 
     def parse(self, body: bytes) -> ParsedRequest:
         try:
