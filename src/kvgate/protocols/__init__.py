@@ -7,19 +7,34 @@ the forwarded body, the answer's meter, its ``ErrorVocabulary``), one entry in
 
 from __future__ import annotations
 
+from kvgate.anthropic import AnthropicErrors
 from kvgate.lifecycle.protocol import ApiProtocol
 from kvgate.openai import CHAT_PATH, COMPLETIONS_PATH
 from kvgate.openai import errors as openai_errors
+from kvgate.protocols.anthropic_messages import AnthropicMessages
 from kvgate.protocols.openai_generation import OpenAIGeneration
 
 CHAT_COMPLETIONS = OpenAIGeneration("chat_completions", CHAT_PATH)
 COMPLETIONS = OpenAIGeneration("completions", COMPLETIONS_PATH)
+# Anthropic's Messages API, as vLLM serves it (converted into a chat request). Without its
+# anthropic-ratelimit-* headers for now: the Envoy configurations' ext_proc mutation_rules
+# (envoy/*.yaml, deploy/) do not allow those names yet, and Envoy would fail an answer that
+# sets them (503) and drop every header of a refusal that does (retry-after too).
+ANTHROPIC_MESSAGES = AnthropicMessages(errors=AnthropicErrors(rate_limit_headers=False))
 
 # The metered APIs by request path (query string aside).
-METERED_APIS: dict[str, ApiProtocol] = {api.path: api for api in (CHAT_COMPLETIONS, COMPLETIONS)}
+METERED_APIS: dict[str, ApiProtocol] = {
+    api.path: api for api in (CHAT_COMPLETIONS, COMPLETIONS, ANTHROPIC_MESSAGES)
+}
 
 # The shape of kvgate's answers on a path no metered API serves (/v1/models, unknown
 # paths, the usage report): OpenAI's, as every client of an OpenAI-compatible server reads.
 DEFAULT_ERRORS = openai_errors
 
-__all__ = ["CHAT_COMPLETIONS", "COMPLETIONS", "DEFAULT_ERRORS", "METERED_APIS"]
+__all__ = [
+    "ANTHROPIC_MESSAGES",
+    "CHAT_COMPLETIONS",
+    "COMPLETIONS",
+    "DEFAULT_ERRORS",
+    "METERED_APIS",
+]
