@@ -338,6 +338,13 @@ class VllmSim:
         anthropic = AnthropicRoutes(self)
         app.router.add_post("/v1/messages", anthropic.messages)
         app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+        # vLLM's Responses API (chat-template path).
+        from vllm_sim.responses import ResponsesRoutes
+
+        responses = ResponsesRoutes(self)
+        app.router.add_post("/v1/responses", responses.create)
+        app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
+        app.router.add_post("/v1/responses/{response_id}/cancel", responses.cancel)
         app.router.add_get("/sim/stats", self.sim_stats)
         app.router.add_get("/sim/requests", self.sim_requests)
         app.router.add_post("/sim/reset", self.sim_reset)
