@@ -167,6 +167,78 @@ def test_a_stream_is_counted_and_billed_as_the_engine_counts_it(stack: Stack) ->
     assert wait_until(lambda: in_flight(stack), lambda v: v == (0, 0), timeout=TIMEOUT_S) == (0, 0)
 
 
+# More of what vLLM converts: billing headers, thinking history, tool references, a tool
+# result on the assistant side, several text parts, the choice of tool, effort.
+PARITY_BODIES: dict[str, dict[str, Any]] = {
+    "system blocks and history": {
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=42"},
+            {"type": "text", "text": "You are a careful assistant."},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Look up Lyon."}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "I should call the tool.", "signature": "s"},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "tool_use", "id": "toolu_7", "name": "get_weather", "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_7",
+                        "content": [
+                            {"type": "tool_reference", "tool_name": "get_weather"},
+                            {"type": "text", "text": "Cloudy"},
+                            {"type": "text", "text": "12 degrees"},
+                        ],
+                    },
+                    {"type": "text", "text": "And tomorrow?"},
+                    {"type": "text", "text": "Be brief."},
+                ],
+            },
+        ],
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    },
+    "a tool result on the assistant side": {
+        "messages": [
+            {"role": "user", "content": "Start."},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Noted."},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "x",
+                        "content": [{"type": "text", "text": "done"}],
+                    },
+                ],
+            },
+            {"role": "user", "content": "Go on."},
+        ],
+        "tools": TOOLS,
+        "tool_choice": {"type": "none"},
+        "output_config": {"effort": "high"},
+        "thinking": {"type": "adaptive"},
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(PARITY_BODIES))
+def test_kvgates_count_is_the_engines_input_tokens(stack: Stack, name: str) -> None:
+    with sdk(stack) as client:
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=8, **PARITY_BODIES[name]
+        )
+    engine = raw.parse().usage.input_tokens
+    assert kvgate_count(stack, raw.headers["x-request-id"]) == engine, name
+
+
 def test_a_body_the_engine_would_refuse_is_refused_in_anthropics_shape(stack: Stack) -> None:
     with sdk(stack) as client, pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.create(
