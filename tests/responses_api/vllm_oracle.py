@@ -1,0 +1,276 @@
+"""vLLM 0.34's own Responses-to-chat conversion, run from the wheel's source, as an oracle.
+
+``vllm/entrypoints/openai/responses/protocol.py`` (the pydantic ``ResponsesRequest``, with
+its input-item normalisation and tool-choice checks) and ``utils.py``
+(``construct_input_messages``, ``construct_tool_dicts``, ``should_continue_final_message``)
+are loaded as they are, on the installed ``openai`` types; what they import from the rest
+of vLLM is stubbed: plain records, and the few vLLM helpers the conversion calls
+(``FunctionDefinition``/``ChatCompletionToolsParam``'s dump, ``get_function_tools``'s
+flattening, ``map_reasoning_effort``/``merge_kwargs``) copied as small equivalents. No
+engine, no torch.
+
+The wheel is a local artefact (var/wheels, not in git): without it the oracle is absent and
+the tests that need it skip.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+import types
+import zipfile
+from pathlib import Path
+from typing import Any, Literal
+
+import openai.types.responses  # noqa: F401  (loaded once: the oracle's classes are these)
+import pydantic
+
+ROOT = Path(__file__).resolve().parents[2]
+WHEEL = ROOT / "var" / "wheels" / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+_PREFIX = "vllm/entrypoints/openai/responses/"
+_FILES = ("protocol.py", "utils.py")
+
+
+class Record:
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+class _Stub(types.ModuleType):
+    """A module whose every attribute is a fresh record class."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        kind = type(name, (Record,), {})
+        setattr(self, name, kind)
+        return kind
+
+
+def _module(name: str, **attributes: Any) -> types.ModuleType:
+    module = _Stub(name)
+    module.__dict__.update(attributes)
+    return module
+
+
+class _Logger:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class VLLMValidationError(ValueError):
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None):
+        super().__init__(message)
+        self.parameter = parameter
+
+
+class OpenAIBaseModel(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow", arbitrary_types_allowed=True)
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    # vllm/entrypoints/generate/base/protocol.py, its dump included.
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+    @pydantic.model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        data = {k: v for k, v in data.items() if k in type(self).model_fields}
+        if self.strict is None:
+            data.pop("strict", None)
+        if self.defer_loading is None:
+            data.pop("defer_loading", None)
+        return data
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def _custom_tool_parameters() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "input": {"type": "string", "description": "The freeform text payload for this tool."}
+        },
+        "required": ["input"],
+        "additionalProperties": False,
+    }
+
+
+def _iter_response_function_tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
+    # vllm/tool_parsers/utils.py: get_function_tools (namespaces aside), then model_dump.
+    from openai.types.responses import CustomTool, FunctionTool
+
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        if isinstance(tool, CustomTool):
+            out.append(
+                FunctionTool.model_validate(
+                    {
+                        "type": "function",
+                        "name": tool.name,
+                        "description": tool.description,
+                        "parameters": _custom_tool_parameters(),
+                    }
+                ).model_dump()
+            )
+        elif isinstance(tool, FunctionTool):
+            out.append(tool.model_dump())
+    return out
+
+
+def _map_reasoning_effort(effort: str | None, effort_map: dict[str, str] | None) -> str | None:
+    if effort is None or not effort_map:
+        return effort
+    return effort_map.get(effort, effort)
+
+
+def _merge_kwargs(defaults: dict[str, Any] | None, overrides: dict[str, Any] | None) -> dict:
+    merged = dict(defaults or {})
+    merged.update({k: v for k, v in (overrides or {}).items() if v not in (None, "auto")})
+    return merged
+
+
+def _load() -> types.ModuleType | None:
+    if not WHEEL.exists():
+        return None
+    with zipfile.ZipFile(WHEEL) as wheel:
+        sources = {name: wheel.read(_PREFIX + name).decode() for name in _FILES}
+    saved = dict(sys.modules)
+    stubs: dict[str, types.ModuleType] = {
+        "vllm": _module("vllm"),
+        "vllm.envs": _module("vllm.envs", VLLM_GPT_OSS_SYSTEM_TOOL_MCP_LABELS=[]),
+        "vllm.config": _module("vllm.config"),
+        "vllm.entrypoints": _module("vllm.entrypoints"),
+        "vllm.entrypoints.generate": _module("vllm.entrypoints.generate"),
+        "vllm.entrypoints.generate.base": _module("vllm.entrypoints.generate.base"),
+        "vllm.entrypoints.generate.base.protocol": _module(
+            "vllm.entrypoints.generate.base.protocol",
+            MMPayload=Literal["tensors", "none"],
+            PerRequestMetrics=dict[str, Any],
+            StopParam=str | list[str] | None,
+            TopLogprobsParam=int | None,
+            resolve_return_mm_kwargs_alias=lambda data: data,
+            validate_cache_salt=lambda salt: None,
+            FunctionDefinition=FunctionDefinition,
+        ),
+        "vllm.entrypoints.serve": _module("vllm.entrypoints.serve"),
+        "vllm.entrypoints.serve.engine": _module("vllm.entrypoints.serve.engine"),
+        "vllm.entrypoints.serve.engine.protocol": _module(
+            "vllm.entrypoints.serve.engine.protocol", OpenAIBaseModel=OpenAIBaseModel
+        ),
+        "vllm.entrypoints.openai": _module("vllm.entrypoints.openai"),
+        "vllm.entrypoints.openai.chat_completion": _module(
+            "vllm.entrypoints.openai.chat_completion"
+        ),
+        "vllm.entrypoints.openai.chat_completion.protocol": _module(
+            "vllm.entrypoints.openai.chat_completion.protocol",
+            ChatCompletionMessageParam=dict[str, Any],
+            ChatCompletionToolsParam=ChatCompletionToolsParam,
+        ),
+        "vllm.exceptions": _module("vllm.exceptions", VLLMValidationError=VLLMValidationError),
+        "vllm.logger": _module("vllm.logger", init_logger=lambda name: _Logger()),
+        "vllm.renderers": _module(
+            "vllm.renderers", map_reasoning_effort=_map_reasoning_effort, merge_kwargs=_merge_kwargs
+        ),
+        "vllm.renderers.chat_utils": _module(
+            "vllm.renderers.chat_utils",
+            ChatCompletionMessageParam=dict[str, Any],
+            ChatTemplateContentFormatOption=str,
+            make_tool_call_id=lambda **kwargs: "call_made_up",
+        ),
+        "vllm.sampling_params": _module("vllm.sampling_params", ThinkingTokenBudget=int | None),
+        "vllm.tool_parsers": _module("vllm.tool_parsers"),
+        "vllm.tool_parsers.utils": _module(
+            "vllm.tool_parsers.utils",
+            CUSTOM_TOOL_INPUT_KEY="input",
+            flat_namespace_tool_name=lambda namespace, name: f"{namespace}__{name}",
+            iter_response_function_tool_dicts=_iter_response_function_tool_dicts,
+        ),
+        "vllm.utils": _module("vllm.utils", random_uuid=lambda: "0"),
+        "partial_json_parser": _module("partial_json_parser"),
+        "partial_json_parser.core": _module("partial_json_parser.core"),
+        "partial_json_parser.core.options": _module("partial_json_parser.core.options"),
+    }
+    package = _module("vllm.entrypoints.openai.responses")
+    package.__path__ = []
+    stubs[package.__name__] = package
+    for name, module in stubs.items():
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(stubs[parent], child, module)
+    try:
+        sys.modules.update(stubs)
+        loaded = {}
+        for file in _FILES:
+            name = f"vllm.entrypoints.openai.responses.{file.removesuffix('.py')}"
+            spec = importlib.util.spec_from_loader(name, loader=None)
+            assert spec is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            setattr(package, file.removesuffix(".py"), module)
+            exec(compile(sources[file], f"{_PREFIX}{file}", "exec"), module.__dict__)
+            loaded[file] = module
+        oracle = types.ModuleType("_kvgate_vllm_responses_oracle")
+        oracle.protocol = loaded["protocol.py"]  # type: ignore[attr-defined]
+        oracle.utils = loaded["utils.py"]  # type: ignore[attr-defined]
+        # The modules a call imports lazily (build_chat_params imports .utils).
+        oracle.modules = {**stubs, **{m.__name__: m for m in loaded.values()}}  # type: ignore[attr-defined]
+        return oracle
+    finally:
+        # Leave no stub behind for other tests (what the files imported for real stays).
+        for name in [*stubs, *(f"{package.__name__}.{f.removesuffix('.py')}" for f in _FILES)]:
+            if name not in saved:
+                sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+ORACLE = _load()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, pydantic.BaseModel):
+        value = value.model_dump()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ValidatorIterator":
+        return [_plain(v) for v in value]
+    return value
+
+
+def vllm_conversion(body: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM renders for ``body``: its chat messages, tools, template keywords and
+    whether the last message is continued. Raises pydantic's ValidationError or
+    VLLMValidationError when vLLM refuses the body."""
+    assert ORACLE is not None
+    saved = dict(sys.modules)
+    sys.modules.update(ORACLE.modules)
+    try:
+        # Its validators rewrite the body they are given: a copy of it.
+        request = ORACLE.protocol.ResponsesRequest.model_validate(copy.deepcopy(body))
+        utils = ORACLE.utils
+        messages = utils.construct_input_messages(
+            request_instructions=request.instructions, request_input=request.input
+        )
+        tools = utils.construct_tool_dicts(request.tools, request.tool_choice)
+        params = request.build_chat_params(None, "auto")
+        continued = utils.should_continue_final_message(request.input)
+    finally:
+        for name in ORACLE.modules:
+            if name not in saved:
+                sys.modules.pop(name, None)
+        sys.modules.update(saved)
+    return {
+        "messages": _plain(messages),
+        "tools": _plain(tools),
+        "tool_choice": request.tool_choice,
+        "chat_template_kwargs": params.chat_template_kwargs,
+        "continue_final": continued,
+    }
