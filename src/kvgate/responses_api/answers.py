@@ -284,7 +284,8 @@ class ResponsesStreamReader:
             elif _DELTA in event.oversized:
                 self.output_text_truncated = True  # output whose text kvgate could not keep
         elif kind in TERMINAL_EVENTS:
-            self.final_event = kind
+            if event.complete:
+                self.final_event = kind
             usage = responses_usage(values.get(_RESPONSE_USAGE))
             if usage is not None:
                 self.usage = usage
