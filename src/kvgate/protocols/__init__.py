@@ -13,6 +13,7 @@ from kvgate.openai import CHAT_PATH, COMPLETIONS_PATH
 from kvgate.openai import errors as openai_errors
 from kvgate.protocols.anthropic_messages import AnthropicMessages
 from kvgate.protocols.openai_generation import OpenAIGeneration
+from kvgate.protocols.openai_responses import OpenAIResponses
 
 CHAT_COMPLETIONS = OpenAIGeneration("chat_completions", CHAT_PATH)
 COMPLETIONS = OpenAIGeneration("completions", COMPLETIONS_PATH)
@@ -21,10 +22,13 @@ COMPLETIONS = OpenAIGeneration("completions", COMPLETIONS_PATH)
 # (envoy/*.yaml, deploy/) do not allow those names yet, and Envoy would fail an answer that
 # sets them (503) and drop every header of a refusal that does (retry-after too).
 ANTHROPIC_MESSAGES = AnthropicMessages(errors=AnthropicErrors(rate_limit_headers=False))
+# OpenAI's Responses API, as vLLM serves it for chat-template models (rendered as a chat
+# request); stateful requests are refused.
+OPENAI_RESPONSES = OpenAIResponses()
 
 # The metered APIs by request path (query string aside).
 METERED_APIS: dict[str, ApiProtocol] = {
-    api.path: api for api in (CHAT_COMPLETIONS, COMPLETIONS, ANTHROPIC_MESSAGES)
+    api.path: api for api in (CHAT_COMPLETIONS, COMPLETIONS, ANTHROPIC_MESSAGES, OPENAI_RESPONSES)
 }
 
 # The shape of kvgate's answers on a path no metered API serves (/v1/models, unknown
@@ -37,4 +41,5 @@ __all__ = [
     "COMPLETIONS",
     "DEFAULT_ERRORS",
     "METERED_APIS",
+    "OPENAI_RESPONSES",
 ]
