@@ -196,6 +196,8 @@ async def test_refusals_are_openai_shaped(server: KvgateServer) -> None:
         body = {**TURNS, "max_output_tokens": 5000}
         await exchange_for(server, 3).decide(json.dumps(body).encode())
     assert refused.value.label is Reason.CONTEXT_LENGTH_EXCEEDED
+    # The refusal names the field the client wrote its prompt in.
+    assert json.loads(refused.value.answer.to_body())["error"]["param"] == "input"
     # Admitted until the tenant's RPM (3) is spent, then refused.
     with pytest.raises(Refused) as refused:
         for n in range(4, 8):

@@ -275,7 +275,7 @@ class Admission:
                 Rejection(
                     Reason.CONTEXT_LENGTH_EXCEEDED,
                     "The prompt does not fit the model's context.",
-                    param=_prompt_param(request),
+                    param=request.prompt_param,
                     context=ContextOverflow(
                         bound.longest,
                         request.max_new_tokens,
@@ -342,7 +342,7 @@ class Admission:
                 Rejection(
                     Reason.CONTEXT_LENGTH_EXCEEDED,
                     "The prompt and the completion do not fit the model's context.",
-                    param=_prompt_param(request),
+                    param=request.prompt_param,
                     context=ContextOverflow(longest, plan.max_new_tokens, route.max_context),
                 )
             )
@@ -368,7 +368,7 @@ class Admission:
                 Rejection(
                     Reason.CONTEXT_LENGTH_EXCEEDED,
                     "The prompt and the completion do not fit the model's context.",
-                    param=_prompt_param(request),
+                    param=request.prompt_param,
                     context=ContextOverflow(1, requested_max_new, route.max_context, at_least=True),
                 )
             )
@@ -425,7 +425,7 @@ class Admission:
         except PromptRenderError as exc:
             raise Rejected(
                 Rejection(
-                    Reason.UNRENDERABLE_PROMPT, exc.client_message, param=_prompt_param(request)
+                    Reason.UNRENDERABLE_PROMPT, exc.client_message, param=request.prompt_param
                 )
             ) from None
         except EngineCountUnavailable as unavailable:
@@ -641,10 +641,6 @@ class Admission:
         return self._ticket(
             decision, sized, request, request_id, fallback_from=request.model, endpoint=endpoint
         )
-
-
-def _prompt_param(request: ParsedRequest) -> str:
-    return "messages" if request.kind == "chat" else "prompt"
 
 
 def _completion_cost(prompt: object, request: ParsedRequest) -> int | None:

@@ -118,6 +118,11 @@ class ParsedRequest:
     #: differ in which one they read, so both are rewritten to the reserved cap).
     conflicting_caps: bool = False
 
+    @property
+    def prompt_param(self) -> str:
+        """The field a refusal about the prompt names (its length, its rendering)."""
+        return "messages" if self.kind == "chat" else "prompt"
+
     def prompts(self) -> list[str | list[int]]:
         """A completions request's prompts, one per generation the engine runs."""
         prompt = self.prompt

@@ -113,6 +113,11 @@ class ResponsesRequest(ParsedRequest):
 
     wire_body: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def prompt_param(self) -> str:
+        # The client wrote its prompt as `input` (and `instructions`), not as messages.
+        return "input"
+
 
 # --------------------------------------------------------------------------- field checks
 
