@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import pytest
 from anthropic import Anthropic
 
@@ -31,6 +32,7 @@ from testbed.harness import (
 
 MODEL = DEFAULT_MODEL_NAME
 LIMITED = "one-a-minute"
+COUNTING = "counts-once-a-minute"
 TIMEOUT_S = 10.0
 
 SYSTEM = [
@@ -79,6 +81,7 @@ def stack() -> Iterator[Stack]:
         tenants=[
             {"name": DEMO_TENANT, "api_key": "sk-kvgate-demo"},
             {"name": LIMITED, "api_key": "sk-one-a-minute", "limits": {"rpm": 1}},
+            {"name": COUNTING, "api_key": "sk-counts-once", "limits": {"rpm": 1}},
         ]
     ) as running:
         yield running
@@ -306,3 +309,37 @@ def test_the_split_layout_meters_a_stream_from_the_observed_answer() -> None:
             0,
             0,
         )
+
+
+def test_count_tokens_is_answered_by_kvgate_with_the_engines_count(stack: Stack) -> None:
+    """messages.count_tokens is answered by kvgate from its own exact count: the same number
+    the engine answers for the same body, and the input tokens a real message is billed;
+    nothing is forwarded, reserved or billed for the count itself."""
+    body: dict[str, Any] = {"model": MODEL, "system": SYSTEM, "messages": TURNS, "tools": TOOLS}
+    engine = httpx.post(f"{stack.sim_url}/v1/messages/count_tokens", json=body, timeout=TIMEOUT_S)
+    assert engine.status_code == 200, engine.text
+    before = tenant_totals(stack)
+    with sdk(stack) as client:
+        raw = client.messages.with_raw_response.count_tokens(**body)
+        counted = raw.parse()
+        assert raw.headers["content-type"] == "application/json"
+        assert counted.input_tokens == engine.json()["input_tokens"] > 0
+        message = client.messages.create(max_tokens=8, **body)
+    assert message.usage.input_tokens == counted.input_tokens
+    # Only the real message is in the ledger.
+    billed = settled(stack, before, 1)
+    assert billed["prompt_tokens"] == message.usage.input_tokens
+    assert wait_until(lambda: in_flight(stack), lambda v: v == (0, 0), timeout=TIMEOUT_S) == (0, 0)
+
+
+def test_count_tokens_is_a_request_the_tenant_makes(stack: Stack) -> None:
+    """A count takes the tenant's RPM slot: counting is work kvgate does for the tenant."""
+    question = {"model": MODEL, "messages": [{"role": "user", "content": "How long is this?"}]}
+    with sdk(stack, COUNTING) as client:
+        assert client.messages.count_tokens(**question).input_tokens > 0
+        with pytest.raises(anthropic.RateLimitError) as caught:
+            client.messages.count_tokens(**question)
+        with pytest.raises(anthropic.NotFoundError):
+            client.messages.count_tokens(model="no-such-model", messages=question["messages"])
+    assert caught.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert int(caught.value.response.headers["retry-after"]) >= 1

@@ -17,12 +17,18 @@ from kvgate.app import KvgateServer
 from kvgate.config import hash_api_key, parse_config
 from kvgate.lifecycle.admission import Rejection
 from kvgate.lifecycle.answer_sources import Hit
-from kvgate.lifecycle.exchange import Exchange, Forward, RouteScope
+from kvgate.lifecycle.exchange import Exchange, Forward, PromptCount, RouteScope
 from kvgate.lifecycle.protocol import ClientError, Outcome, Refused, rejection_answer
 from kvgate.lifecycle.response_cache import CACHE_HEADER
 from kvgate.openai import errors as openai_errors
 from kvgate.policy import Reason, SettleCause
-from kvgate.protocols import CHAT_COMPLETIONS, COMPLETIONS, METERED_APIS
+from kvgate.protocols import (
+    ANTHROPIC_COUNT_TOKENS,
+    ANTHROPIC_MESSAGES,
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    METERED_APIS,
+)
 from testbed.demo_model import demo_model_dir
 
 MODEL = "qwen2.5-demo"
@@ -75,8 +81,11 @@ def sse(*events: dict[str, Any]) -> bytes:
 
 async def in_flight(server: KvgateServer) -> tuple[int, int]:
     await server.services.drain(timeout_s=5)
-    [status] = await server.store.backend_status() or [None]
-    return (0, 0) if status is None else (status.kv_tokens_in_flight, status.requests_in_flight)
+    statuses = await server.store.backend_status()
+    return (
+        sum(status.kv_tokens_in_flight for status in statuses),
+        sum(status.requests_in_flight for status in statuses),
+    )
 
 
 async def test_an_admitted_stream_is_metered_and_settled_once(server: KvgateServer) -> None:
@@ -245,3 +254,42 @@ def test_one_mapping_from_a_rejection_to_an_answer(
     answer = rejection_answer(Rejection(reason, "why", retry_after_s=2.5), openai_errors)
     assert answer.status == status
     assert answer.headers.get("retry-after") == retry_after
+
+
+async def test_a_prompt_count_is_admissions_count_and_a_request_the_tenant_makes(
+    server: KvgateServer,
+) -> None:
+    snapshot = server.snapshots.current
+    question = {"model": MODEL, "messages": [{"role": "user", "content": "How long is this?"}]}
+
+    def count(n: int) -> PromptCount:
+        return PromptCount(
+            server.services,
+            snapshot,
+            ANTHROPIC_COUNT_TOKENS,
+            snapshot.tenants["acme"],
+            admission_id=f"count-{n}",
+        )
+
+    answer = json.loads(await count(1).answer(json.dumps(question).encode()))
+    message = Exchange(
+        server.services,
+        snapshot,
+        ANTHROPIC_MESSAGES,
+        snapshot.tenants["acme"],
+        request_id="m",
+        admission_id="m/adm",
+    )
+    forward = await message.decide(json.dumps({**question, "max_tokens": 8}).encode())
+    assert isinstance(forward, Forward)
+    assert answer == {
+        "input_tokens": forward.ticket.prompt_tokens,
+        "context_management": {"original_input_tokens": forward.ticket.prompt_tokens},
+    }
+    message.close(SettleCause.DISCONNECTED)
+    # The tenant's RPM (2) is spent by the count and the message.
+    with pytest.raises(Refused) as refused:
+        await count(2).answer(json.dumps(question).encode())
+    assert refused.value.label is Reason.RPM_EXCEEDED
+    assert json.loads(refused.value.answer.to_body())["error"]["type"] == "rate_limit_error"
+    assert await in_flight(server) == (0, 0)

@@ -6,9 +6,17 @@ reading answers for the bill (``answers``, ``meter``). No gRPC, no I/O.
 
 from .answers import MessagesStreamReader, MessageUsage, MessageUsageScanner, message_usage
 from .errors import ERRORS, AnthropicError, AnthropicErrors
-from .requests import MESSAGES_PATH, MessagesRequest, parse_messages_request, rewrite_messages_body
+from .requests import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    MessagesRequest,
+    parse_count_tokens_request,
+    parse_messages_request,
+    rewrite_messages_body,
+)
 
 __all__ = [
+    "COUNT_TOKENS_PATH",
     "ERRORS",
     "MESSAGES_PATH",
     "AnthropicError",
@@ -18,6 +26,7 @@ __all__ = [
     "MessagesRequest",
     "MessagesStreamReader",
     "message_usage",
+    "parse_count_tokens_request",
     "parse_messages_request",
     "rewrite_messages_body",
 ]

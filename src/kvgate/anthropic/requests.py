@@ -55,14 +55,18 @@ from kvgate.tokenize.request_fields import with_request_fields
 from .errors import AnthropicError, invalid_request
 
 __all__ = [
+    "COUNT_TOKENS_PATH",
     "DISABLED_THINKING_EFFORT",
     "MESSAGES_PATH",
     "MessagesRequest",
+    "parse_count_tokens_request",
     "parse_messages_request",
     "rewrite_messages_body",
 ]
 
 MESSAGES_PATH: Final = "/v1/messages"
+# Anthropic's messages.count_tokens, which vLLM answers from the rendered prompt.
+COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 
 #: Upper bound of max_tokens (keeps later arithmetic within exact integers), as on the
 #: chat path.
@@ -489,9 +493,10 @@ def _api_error(error: ApiError) -> AnthropicError:
     return invalid_request(error.message)
 
 
-def parse_messages_request(body: bytes) -> MessagesRequest:
+def parse_messages_request(body: bytes, *, count_only: bool = False) -> MessagesRequest:
     """Validate a Messages body and convert it as vLLM 0.34 does. Raises
-    :class:`AnthropicError` (400 ``invalid_request_error``) for a body it cannot accept."""
+    :class:`AnthropicError` (400 ``invalid_request_error``) for a body it cannot accept.
+    ``count_only``: a count_tokens body, which has no ``max_tokens`` and no stream."""
     try:
         obj = load_json_object(body)
     except ApiError as error:
@@ -503,10 +508,14 @@ def parse_messages_request(body: bytes) -> MessagesRequest:
     _typed(model, str, "model")
     if not model:
         raise invalid_request("model: String should have at least 1 character")
-    if obj.get("max_tokens") is None:
-        raise _required("max_tokens")
-    max_tokens = _int_in(obj["max_tokens"], "max_tokens", 1)
-    stream = bool(_optional(obj, "stream", bool, "stream"))
+    if count_only:
+        # Nothing is generated: the thinking budget has no cap to stay under.
+        max_tokens, stream = MAX_TOKENS_LIMIT, False
+    else:
+        if obj.get("max_tokens") is None:
+            raise _required("max_tokens")
+        max_tokens = _int_in(obj["max_tokens"], "max_tokens", 1)
+        stream = bool(_optional(obj, "stream", bool, "stream"))
     stop = obj.get("stop_sequences")
     if stop is not None:
         for i, item in enumerate(_typed(stop, list, "stop_sequences")):
@@ -582,6 +591,11 @@ def parse_messages_request(body: bytes) -> MessagesRequest:
         body_bytes=len(body),
         wire_body=obj,
     )
+
+
+def parse_count_tokens_request(body: bytes) -> MessagesRequest:
+    """A count_tokens body, converted as vLLM converts it to render the prompt it counts."""
+    return parse_messages_request(body, count_only=True)
 
 
 # --------------------------------------------------------------------------- forwarding

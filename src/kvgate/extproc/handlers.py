@@ -6,6 +6,8 @@
   ``Exchange``, then the answer's headers and chunks to the one settlement.
 * ``ObservingHandler``: the split layout's observing stream: the answer of a request
   admitted on another stream, metered and settled; Envoy ignores its replies.
+* ``CountingHandler``: an endpoint kvgate answers itself with the prompt's exact count
+  (``PromptCount``); nothing is forwarded.
 
 The phase of each says what may still happen:
 
@@ -34,7 +36,7 @@ from kvgate.extproc.route_settings import RouteSettings, RouteSettingsError
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Ticket
 from kvgate.lifecycle.answer_sources import Hit
-from kvgate.lifecycle.exchange import Exchange, Forward
+from kvgate.lifecycle.exchange import Exchange, Forward, PromptCount
 from kvgate.lifecycle.protocol import ErrorAnswer, Outcome, Refused
 from kvgate.openai import ParsedRequest
 from kvgate.policy import ActualUsage, Reason, SettleCause, pico_to_usd
@@ -171,6 +173,34 @@ class Handler:
 
     def close(self, *, shutting_down: bool) -> None:
         """The stream ended."""
+
+
+class CountingHandler(Handler):
+    """A request answered with its prompt's exact count, decided on its body."""
+
+    def __init__(self, facts: StreamFacts, count: PromptCount) -> None:
+        super().__init__(Phase.REQUEST_BODY)
+        self._facts = facts
+        self._count = count
+
+    async def on_request_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.phase is not Phase.REQUEST_BODY:
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        self.phase = Phase.REJECTED  # answered by kvgate: nothing to meter
+        facts = self._facts
+        try:
+            body = await self._count.answer(http.body)
+        except Refused as refused:
+            return facts.refusal(refused.answer, refused.label, self._count.request)
+        decision = self._count.api.name
+        facts.services.metrics.requests.labels("answered", decision).inc()
+        return messages.immediate_response(
+            200,
+            body,
+            {"content-type": "application/json"},
+            details=f"kvgate_{decision}",
+            dynamic_metadata=facts.metadata(decision, self._count.request),
+        )
 
 
 class ObservingHandler(Handler):

@@ -25,6 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from kvgate.config import hash_api_key
 from kvgate.extproc import messages
 from kvgate.extproc.handlers import (
+    CountingHandler,
     Handler,
     MeteredHandler,
     ObservingHandler,
@@ -41,11 +42,11 @@ from kvgate.extproc.route_settings import (
 )
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Ticket
-from kvgate.lifecycle.exchange import Exchange, RouteScope
+from kvgate.lifecycle.exchange import Exchange, PromptCount, RouteScope
 from kvgate.lifecycle.protocol import ErrorAnswer, ErrorVocabulary, Outcome
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.policy import Reason, shadowed
-from kvgate.protocols import DEFAULT_ERRORS, METERED_APIS
+from kvgate.protocols import DEFAULT_ERRORS, METERED_APIS, PROMPT_COUNT_APIS
 from kvgate.store import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -248,7 +249,9 @@ class StreamSession:
         trace_parent = tracing.extract(headers) if tracing is not None else None
         self._path = _path_only(headers.get(":path", ""))
         api = METERED_APIS.get(self._path)
-        errors = self._errors = api.errors if api is not None else DEFAULT_ERRORS
+        counting = PROMPT_COUNT_APIS.get(self._path)
+        known = api or counting
+        errors = self._errors = known.errors if known is not None else DEFAULT_ERRORS
         # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST, and vLLM says 405.
         method = headers.get(":method", "")
         # Clients must not be able to forge the headers Envoy routes and logs on.
@@ -300,7 +303,7 @@ class StreamSession:
             )
             reply.dynamic_metadata.CopyFrom(messages.metadata(facts.metadata("passthrough")))
             return reply
-        if api is None:
+        if known is None:
             return self._reject(errors.unsupported_path(self._path), Outcome.UNSUPPORTED_PATH)
         if method != "POST":
             return self._reject(
@@ -329,6 +332,22 @@ class StreamSession:
                 errors.internal_error("kvgate is misconfigured: it cannot meter this request."),
                 Outcome.INTERNAL_ERROR,
             )
+        settings = route if isinstance(route, RouteSettings) else NO_ROUTE_SETTINGS
+        scope = RouteScope(backend=settings.backend, models=settings.models)
+        if counting is not None:
+            count = PromptCount(
+                self._svc,
+                snapshot,
+                counting,
+                policy,
+                admission_id=_admission_id(facts.request_id),
+                route=scope,
+            )
+            self._handler = CountingHandler(facts, count)
+            return messages.continue_request_headers(
+                {"x-kvgate-tenant": tenant}, [*forged, *credentials]
+            )
+        assert api is not None
         priority = self._requested_priority(headers, tenant)
         if not isinstance(priority, int):
             return self._reject(priority, Outcome.INVALID_REQUEST)
@@ -350,7 +369,6 @@ class StreamSession:
                 )
         else:
             idempotency_key = None
-        settings = route if isinstance(route, RouteSettings) else NO_ROUTE_SETTINGS
         exchange = Exchange(
             self._svc,
             snapshot,
@@ -360,7 +378,7 @@ class StreamSession:
             admission_id=_admission_id(facts.request_id),
             priority=priority,
             idempotency_key=idempotency_key,
-            route=RouteScope(backend=settings.backend, models=settings.models),
+            route=scope,
             sees_answer=not self._answer_seen_elsewhere,
             on_wait=lambda wait_s: handler.extend_message_timeout(wait_s),
         )

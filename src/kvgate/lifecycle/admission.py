@@ -247,6 +247,28 @@ class Admission:
         self._record_violations(tenant.name, early)
         raise Rejected(rejection_of(early))
 
+    async def count_prompt(
+        self, request: ParsedRequest, tenant: TenantPolicy, admission_id: str
+    ) -> int:
+        """The exact prompt tokens of ``request`` on its model, for an endpoint that answers
+        with the count (no backend, no reservation): the tenant's RPM slot is taken first,
+        and the count runs in the tenant's fair share of the counting workers."""
+        route = self._snapshot.models.get(request.model)
+        if route is None:
+            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, request.model, param="model"))
+        await self.take_request_slot(request, tenant, admission_id)
+        counts = await self._count(request, route.name, tenant.name)
+        if counts is None:
+            # The model's engine counts its prompts and could not: no count to give.
+            raise Rejected(
+                Rejection(
+                    Reason.COUNTING_UNAVAILABLE,
+                    "kvgate cannot count this prompt now. Please retry.",
+                    retry_after_s=1,
+                )
+            )
+        return sum(counts)
+
     # ------------------------------------------------------------------ steps
 
     async def _reject_early(

@@ -29,7 +29,9 @@ from kvgate.lifecycle.protocol import (
     AnswerMeter,
     ApiProtocol,
     ClientError,
+    ErrorVocabulary,
     Outcome,
+    PromptCountApi,
     Refused,
     rejection_answer,
 )
@@ -44,6 +46,7 @@ from kvgate.tokenize import TokenizerBusy
 log = logging.getLogger("kvgate.exchange")
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 # Bodies larger than this are parsed and digested on a worker thread, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
@@ -173,32 +176,17 @@ class Exchange:
     async def decide(self, body: bytes) -> Forward | Hit:
         """Admit the request (``Forward``) or answer it from a source (``Hit``); raises
         ``Refused`` only."""
-        errors = self.api.errors
         timeout_s = self._snapshot.config.server.decision_timeout_s
         self._started = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout(timeout_s) as self._deadline:
                 return await self._decide(body)
-        except ClientError as error:
-            raise Refused(error.answer, Outcome.INVALID_REQUEST) from None
-        except Rejected as rejected:
-            rejection = rejected.rejection
-            raise Refused(rejection_answer(rejection, errors), rejection.reason) from None
-        except TimeoutError:
-            # Answer before Envoy's message timeout does (an empty 504): whatever the
-            # decision was waiting on was cancelled, and a reserve in flight is abandoned.
-            raise Refused(
-                errors.service_unavailable(
-                    f"kvgate could not decide on this request within {timeout_s:g} s "
-                    "(it is busy counting prompts). Please retry.",
-                    retry_after_s=1,
-                ),
-                Outcome.DECISION_TIMEOUT,
-            ) from None
+        except (ClientError, Rejected, TimeoutError) as error:
+            raise _refused(error, self.api.errors, timeout_s) from None
 
     async def _decide(self, body: bytes) -> Forward | Hit:
         assert self.tenant is not None, "an observing exchange does not decide"
-        request = await self._off_loop(self.api.parse, body, len(body))
+        request = await off_loop(self._svc, self.tenant.name, self.api.parse, body, len(body))
         self.request = request
         if not self._route.allows_model(request.model):
             # OpenAI's answer for a model a key may not use: it "does not exist or you do
@@ -232,7 +220,9 @@ class Exchange:
             request_slot_taken = await admission.take_request_slot(
                 request, self.tenant, self._admission_id
             )
-            digest = await self._off_loop(body_digest, request.body, request.body_bytes)
+            digest = await off_loop(
+                self._svc, self.tenant.name, body_digest, request.body, request.body_bytes
+            )
             hit = await self._answers.lookup(query, digest)
             if hit is not None:
                 return hit
@@ -257,27 +247,6 @@ class Exchange:
             ticket = ticket.with_usage_injected()
         self._forwarded(ticket)
         return Forward(ticket, self.api.forward_body(ticket))
-
-    async def _off_loop(self, work: Callable[[T], Any], argument: T, size: int) -> Any:
-        """``work(argument)``; off the event loop when the body is large (megabytes of JSON
-        take tens of milliseconds), in the tenant's fair share of the workers, so other
-        tenants' decisions go on."""
-        if size <= PARSE_OFF_LOOP_BYTES:
-            return work(argument)
-        assert self.tenant is not None
-        try:
-            return await self._svc.tokenizers.run(
-                self.tenant.name, functools.partial(work, argument), cost=size
-            )
-        except TokenizerBusy as busy:
-            raise Rejected(
-                Rejection(
-                    Reason.COUNTING_BUSY,
-                    "Too many of your requests are waiting to be read; "
-                    "retry when some have been answered.",
-                    retry_after_s=busy.retry_after_s,
-                )
-            ) from None
 
     def _longest_wait_s(self) -> float:
         """The longest the decision may wait in all: its Idempotency-Key's wait, then its
@@ -398,3 +367,89 @@ class Exchange:
                 exc_info=True,
             )
             return 0
+
+
+class PromptCount:
+    """A request kvgate answers itself with its prompt's exact count (``PromptCountApi``):
+    parsed once, the tenant's RPM slot taken, counted in its fair share; nothing reserved,
+    nothing forwarded."""
+
+    def __init__(
+        self,
+        services: ExchangeServices,
+        snapshot: RuntimeSnapshot,
+        api: PromptCountApi,
+        tenant: TenantPolicy,
+        *,
+        admission_id: str,
+        route: RouteScope = RouteScope(),
+    ) -> None:
+        self._svc = services
+        self._snapshot = snapshot
+        self.api = api
+        self.tenant = tenant
+        self._admission_id = admission_id
+        self._route = route
+        self.request: ParsedRequest | None = None
+
+    async def answer(self, body: bytes) -> bytes:
+        """The answer's JSON body; raises ``Refused`` only."""
+        timeout_s = self._snapshot.config.server.decision_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._answer(body)
+        except (ClientError, Rejected, TimeoutError) as error:
+            raise _refused(error, self.api.errors, timeout_s) from None
+
+    async def _answer(self, body: bytes) -> bytes:
+        tenant = self.tenant
+        request = await off_loop(self._svc, tenant.name, self.api.parse, body, len(body))
+        self.request = request
+        if not self._route.allows_model(request.model):
+            raise Refused(
+                self.api.errors.model_not_found(request.model), Outcome.MODEL_NOT_ALLOWED_ON_ROUTE
+            )
+        admission = self._svc.admission(self._snapshot)
+        return self.api.answer(await admission.count_prompt(request, tenant, self._admission_id))
+
+
+async def off_loop(
+    services: ExchangeServices, tenant: str, work: Callable[[T], R], argument: T, size: int
+) -> R:
+    """``work(argument)``; off the event loop when the body is large (megabytes of JSON take
+    tens of milliseconds), in the tenant's fair share of the workers, so other tenants'
+    decisions go on."""
+    if size <= PARSE_OFF_LOOP_BYTES:
+        return work(argument)
+    try:
+        return await services.tokenizers.run(tenant, functools.partial(work, argument), cost=size)
+    except TokenizerBusy as busy:
+        raise Rejected(
+            Rejection(
+                Reason.COUNTING_BUSY,
+                "Too many of your requests are waiting to be read; "
+                "retry when some have been answered.",
+                retry_after_s=busy.retry_after_s,
+            )
+        ) from None
+
+
+def _refused(
+    error: ClientError | Rejected | TimeoutError, errors: ErrorVocabulary, timeout_s: float
+) -> Refused:
+    """What leaves a decision that did not end in an answer: one ``Refused``."""
+    if isinstance(error, ClientError):
+        return Refused(error.answer, Outcome.INVALID_REQUEST)
+    if isinstance(error, Rejected):
+        rejection = error.rejection
+        return Refused(rejection_answer(rejection, errors), rejection.reason)
+    # Answer before Envoy's message timeout does (an empty 504): whatever the decision was
+    # waiting on was cancelled, and a reserve in flight is abandoned.
+    return Refused(
+        errors.service_unavailable(
+            f"kvgate could not decide on this request within {timeout_s:g} s "
+            "(it is busy counting prompts). Please retry.",
+            retry_after_s=1,
+        ),
+        Outcome.DECISION_TIMEOUT,
+    )

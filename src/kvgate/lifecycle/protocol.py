@@ -193,6 +193,26 @@ class ApiProtocol(abc.ABC):
         return self.errors.rate_limit_headers(ticket.rate_limits) | served_otherwise_headers(ticket)
 
 
+class PromptCountApi(abc.ABC):
+    """An endpoint kvgate answers itself with the exact count of the prompt a request would
+    render (Anthropic's count_tokens): nothing reaches a backend, and the request takes the
+    tenant's RPM slot like any other."""
+
+    def __init__(self, name: str, path: str, errors: ErrorVocabulary) -> None:
+        self.name = name
+        self.path = path
+        self.errors = errors
+
+    @abc.abstractmethod
+    def parse(self, body: bytes) -> ParsedRequest:
+        """The canonical request whose prompt is counted; ``ClientError`` for a body the API
+        cannot accept."""
+
+    @abc.abstractmethod
+    def answer(self, prompt_tokens: int) -> bytes:
+        """The JSON body that answers with the count."""
+
+
 # Waiting cannot help these: a 400 naming the field, with no Retry-After.
 _TOO_LARGE = frozenset({Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM})
 # kvgate or what it depends on cannot decide now: 503 with Retry-After.

@@ -15,17 +15,21 @@ apply to this API (``reuses_answers``); an Idempotency-Key sent with it is ignor
 
 from __future__ import annotations
 
+import json
+
 from kvgate.anthropic import (
+    COUNT_TOKENS_PATH,
     ERRORS,
     MESSAGES_PATH,
     AnthropicError,
     AnthropicErrors,
     MessagesRequest,
+    parse_count_tokens_request,
     parse_messages_request,
     rewrite_messages_body,
 )
 from kvgate.anthropic.meter import MessagesMeter
-from kvgate.lifecycle.protocol import AnswerMeter, ApiProtocol, ClientError
+from kvgate.lifecycle.protocol import AnswerMeter, ApiProtocol, ClientError, PromptCountApi
 from kvgate.lifecycle.ticket import Ticket
 from kvgate.openai import ParsedRequest
 
@@ -62,3 +66,32 @@ class AnthropicMessages(ApiProtocol):
 
     def meter(self, ticket: Ticket) -> AnswerMeter:
         return MessagesMeter(stream_requested=ticket.request.stream)
+
+
+class AnthropicCountTokens(PromptCountApi):
+    """``POST /v1/messages/count_tokens``: answered by kvgate from its exact count of the
+    prompt vLLM would render for the same Messages body, in vLLM's shape."""
+
+    def __init__(
+        self,
+        name: str = "anthropic_count_tokens",
+        path: str = COUNT_TOKENS_PATH,
+        errors: AnthropicErrors = ERRORS,
+    ) -> None:
+        super().__init__(name, path, errors)
+
+    def parse(self, body: bytes) -> ParsedRequest:
+        try:
+            return parse_count_tokens_request(body)
+        except AnthropicError as error:
+            raise ClientError(error) from None
+
+    def answer(self, prompt_tokens: int) -> bytes:
+        # vLLM 0.34 adds context_management with the same count (nothing is trimmed).
+        return json.dumps(
+            {
+                "input_tokens": prompt_tokens,
+                "context_management": {"original_input_tokens": prompt_tokens},
+            },
+            separators=(",", ":"),
+        ).encode()
