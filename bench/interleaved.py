@@ -1,6 +1,7 @@
 """Added latency and CPU per request, one request in flight, arms interleaved request by request.
 
-    .venv/bin/python -m bench.interleaved                          # all cases, default counts
+    .venv/bin/python -m bench.interleaved                          # the chat cases, default counts
+    .venv/bin/python -m bench.interleaved --cases 1k,1k-messages,1k-responses  # the APIs, paired
     .venv/bin/python -m bench.interleaved --iterations 20,100k=4   # a quick pass (~5 min)
     .venv/bin/python -m bench.interleaved --cases 1k,stream --arms envoy,noop,kvgate,kvgate-redis
     .venv/bin/python -m bench.interleaved --kvgate-args="--log-level warning"
@@ -11,7 +12,8 @@ request 2, ..., the arm order rotated at every step (ABC, BCA, CAB, ...) so no a
 first after a pause and slow drifts of a noisy machine fall on every arm alike. Each arm
 keeps one keep-alive connection. The simulator answers at once except in `stream`.
 
-Cases (chat completions, `max_tokens` 16 unless stated):
+Cases (chat completions, `max_tokens` 16 unless stated; the `-messages` and `-responses` ones
+on the Anthropic Messages and OpenAI Responses APIs):
 
 | case         | request                                                                   |
 |--------------|---------------------------------------------------------------------------|
@@ -23,6 +25,18 @@ Cases (chat completions, `max_tokens` 16 unless stated):
 | stream       | `stream: true`, 32 tokens, the simulator at 10 ms/token, one stream in    |
 |              | flight; every inter-token gap as read by the client (bench/loadgen.py's   |
 |              | SSE clock: events arriving in one read share its timestamp)               |
+| 1k-messages, | 1k and conversation on `POST /v1/messages` and `POST /v1/responses`: the  |
+| conversation-| same prompt sizes and history growth in each API's request shape, the     |
+| messages,    | conversations' history an agent's (tool_use / tool_result,                |
+| 1k-responses,| function_call / function_call_output), output capped at 16                |
+| conversation-| (bench/api_cases.py); reported as their chat case, plus a table of        |
+| responses    | kvgate's added p50 and CPU per request per API beside chat's (the ratio)  |
+| conversation-| the agent conversation of those two on chat completions (assistant        |
+| chat-tools   | tool_calls, tool messages, tools): chat's reference for the same shape    |
+
+A case and the same case on the other APIs (1k, 1k-messages, 1k-responses) run together,
+interleaved the same way: step j of each, the cases' order rotated every step, so the APIs'
+comparison is paired like the arms' (`--sequential` runs every case alone instead).
 
 Per case and arm: n, failures (every non-200 / transport error / short stream is printed),
 latency p50/p90/p99, added p50 over `envoy` (arm p50 minus envoy p50, and the median of the
@@ -36,11 +50,12 @@ kvgate does after the response (settling) is counted and the idle time while oth
 is not. The whole-case /proc/<pid>/stat delta divided by the arm's requests (idle time
 included) is reported alongside as a cross-check.
 
-Options: `--cases 1k,conversation,100k,stream`; `--iterations 200` (all cases but 100k) or
-per case `--iterations 20,100k=4,stream=50` (defaults 1k=200, conversation=20, 100k=8,
-stream=100); `--arms envoy,noop,kvgate[,kvgate-redis]` (Redis at 127.0.0.1:6379, or
-`--redis-url`); `--kvgate-args` passed to `kvgate serve`; `--out DIR` (default
-var/bench/interleaved-<date>). It writes `interleaved.csv` (one row per request),
+Options: `--cases 1k,conversation,100k,stream` (the default; the API cases are asked for by
+name, or `--cases all`); `--iterations 200` (all cases but 100k) or per case
+`--iterations 20,100k=4,stream=50` (defaults 1k=200, conversation=20, 100k=8, stream=100,
+the API cases as their chat case); `--arms envoy,noop,kvgate[,kvgate-redis]` (Redis at
+127.0.0.1:6379, or `--redis-url`); `--kvgate-args` passed to `kvgate serve`; `--out DIR`
+(default var/bench/interleaved-<date>). It writes `interleaved.csv` (one row per request),
 `interleaved-gaps.csv` (every inter-token gap) and `interleaved.md` (the tables and the
 targets), and keeps the processes' logs in DIR/stack/logs.
 """
@@ -67,6 +82,15 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.api_cases import (
+    PATHS,
+    TOOL_DEFINITION_TOKENS,
+    WIRE_API,
+    AgentConversation,
+    api_headers,
+    prompt_tokens_of,
+    single_body,
+)
 from bench.cpu import process_cpu_seconds, threads_cpu_seconds
 from bench.loadgen import _StreamClock
 from bench.prompts import prompt_text
@@ -75,8 +99,15 @@ from bench.stack import MODEL, REPO_ROOT, Arm, BenchStack, SimSettings
 from bench.stats import percentile
 from vllm_sim.tokenization import SINGLE_TOKEN_WORDS
 
-CASES = ("1k", "conversation", "100k", "stream")
+CHAT_CASES = ("1k", "conversation", "100k", "stream")
+OTHER_APIS = ("messages", "responses")
+# The 1k and conversation cases again on the other APIs: "<chat case>-<api>".
+API_CASES = tuple(f"{case}-{api}" for api in OTHER_APIS for case in ("1k", "conversation"))
+# The agent conversation of the two others on chat completions: chat's reference for the shape.
+API_CASES += ("conversation-chat-tools",)
+CASES = CHAT_CASES + API_CASES
 DEFAULT_ITERATIONS = {"1k": 200, "conversation": 20, "100k": 8, "stream": 100}
+DEFAULT_ITERATIONS |= {case: DEFAULT_ITERATIONS[case.split("-")[0]] for case in API_CASES}
 ALLOWED_ARMS = ("direct", "envoy", "noop", "kvgate", "kvgate-redis")
 REFERENCE = "envoy"
 NOOP = "noop"
@@ -98,6 +129,19 @@ TARGET_1K_OVER_NOOP_MS = 0.5
 TARGET_CONV_OVER_NOOP_MS = 2.0
 TARGET_100K_ADDED_MS = 25.0
 TARGET_STREAM_GAP_P99_MS = 0.5
+# kvgate's added p50 and CPU per request on another API, over chat's in the same case.
+TARGET_API_OVER_CHAT = 1.2
+
+
+def case_api(case: str) -> str:
+    """The API a case is sent on: chat, messages or responses."""
+    _, _, api = case.partition("-")
+    return api or "chat"
+
+
+def case_base(case: str) -> str:
+    """The chat case a case repeats on another API (itself on chat)."""
+    return case.partition("-")[0]
 
 
 # --------------------------------------------------------------------------- CPU
@@ -143,6 +187,7 @@ class Sample:
 class Request:
     body: bytes
     stream: bool = False
+    api: str = "chat"
 
 
 def _session() -> aiohttp.ClientSession:
@@ -173,7 +218,9 @@ async def send(
     before = cpu_snapshot(arm)
     start = time.perf_counter()
     try:
-        async with session.post(arm.chat_url, data=request.body, headers=arm.headers()) as resp:
+        url = arm.base_url + PATHS[request.api]
+        headers = api_headers(request.api, arm.api_key)
+        async with session.post(url, data=request.body, headers=headers) as resp:
             sample.status = resp.status
             raw = await read_answer(resp, clock)
         sample.latency_s = time.perf_counter() - start
@@ -196,7 +243,7 @@ async def send(
             sample.error = f"short stream: {clock.n} of {STREAM_TOKENS} token events"
     else:
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            sample.prompt_tokens = int(json.loads(raw)["usage"]["prompt_tokens"])
+            sample.prompt_tokens = prompt_tokens_of(request.api, json.loads(raw))
 
 
 # --------------------------------------------------------------------------- bodies
@@ -223,6 +270,7 @@ class Bodies:
         self._text_1k = prompt_text(1000)
         self._text_100k = prompt_text(100_000)
         self._conversations: dict[tuple[int, str], list[dict[str, str]]] = {}
+        self._agents: dict[tuple[str, int, str], AgentConversation] = {}
 
     def marker(self, case: str, arm: str, iteration: int) -> str:
         # The arm's index, not its name: the same prompt length in every arm.
@@ -232,6 +280,9 @@ class Bodies:
         # The unique marker leads the message: a unique prefix for any prefix cache.
         text = self._text_100k if case == "100k" else self._text_1k
         content = f"{self.marker(case, arm, iteration)} {text}"
+        api = case_api(case)
+        if api != "chat":
+            return Request(single_body(api, MODEL, content, MAX_TOKENS), api=api)
         stream = case == "stream"
         max_tokens = STREAM_TOKENS if stream else MAX_TOKENS
         return Request(
@@ -239,7 +290,9 @@ class Bodies:
             stream,
         )
 
-    def conversation_turn(self, arm: str, iteration: int, turn: int) -> Request:
+    def conversation_turn(self, arm: str, iteration: int, turn: int, api: str = "chat") -> Request:
+        if api != "chat":
+            return self._agent_turn(api, arm, iteration, turn)
         key = (iteration, arm)
         if key not in self._conversations:
             # A new conversation per (iteration, arm), built once and resent verbatim turn
@@ -259,6 +312,25 @@ class Bodies:
         messages = self._conversations[key][: 2 * turn]
         return Request(_body(messages, max_tokens=MAX_TOKENS))
 
+    def _agent_turn(self, api: str, arm: str, iteration: int, turn: int) -> Request:
+        """A turn of the conversation on another API: the same system prompt and user
+        messages' sizes, the assistant's answers an agent's steps (bench/api_cases.py)."""
+        key = (api, iteration, arm)
+        if key not in self._agents:
+            self._agents.pop((api, iteration - 1, arm), None)
+            rng = random.Random(f"{self.run_id}/{api}/{iteration}/{arm}")
+            case = f"conversation-{api}"
+            # The tools' definitions stand for part of the system prompt's size.
+            system = f"{self.marker(case, arm, iteration)} You are an agent. " + _words(
+                rng, SYSTEM_TOKENS - TOOL_DEFINITION_TOKENS
+            )
+            self._agents[key] = AgentConversation(
+                rng, _words, system=system, turns=TURNS, user_tokens=USER_TOKENS
+            )
+        tag = f"{ALLOWED_ARMS.index(arm)}x{iteration}".replace("-", "m")
+        body = self._agents[key].body(api, MODEL, turn, MAX_TOKENS, tag)
+        return Request(body, api=WIRE_API[api])
+
 
 # --------------------------------------------------------------------------- a case
 
@@ -271,6 +343,7 @@ class CaseRun:
     whole_cpu_s: dict[str, dict[str, float]] = field(default_factory=dict)
     gateway: dict[str, str | None] = field(default_factory=dict)  # arm -> its gateway's role
     wall_s: float = 0.0
+    together: list[str] = field(default_factory=list)  # the cases run interleaved with it
 
 
 def rotated(items: Sequence[str], k: int) -> list[str]:
@@ -278,40 +351,65 @@ def rotated(items: Sequence[str], k: int) -> list[str]:
     return [*items[k:], *items[:k]]
 
 
-async def run_case(
-    run: CaseRun,
+Step = tuple[int, int, Callable[[str], Request]]
+
+
+async def run_cases(
+    runs: Sequence[CaseRun],
     stack: BenchStack,
     arms: list[str],
-    steps: Iterable[tuple[int, int, Callable[[str], Request]]],
-    warmup: Iterable[tuple[int, int, Callable[[str], Request]]],
+    steps: Sequence[Sequence[Step]],
+    warmup: Sequence[Sequence[Step]],
     pause_s: float,
 ) -> None:
     """Each step: (iteration, turn, arm -> request); every arm sends it, in rotated order.
 
-    Fills `run` as it goes, so an interrupted case keeps what it measured."""
-    name = run.name
-    run.gateway = {a: gateway_role(stack.arms[a]) for a in arms}
+    Several cases (a chat case and the same case on the other APIs) run interleaved step by
+    step: step j of every case, the cases' order rotated each step, each case's step sent by
+    every arm in an order rotated at every case-step; so a drift of the machine falls on the
+    APIs alike and their comparison is paired as the arms' is. The whole-case CPU (idle
+    included) is then left out: it cannot be told apart per case.
+
+    Fills `runs` as it goes, so an interrupted case keeps what it measured."""
+    for run in runs:
+        run.gateway = {a: gateway_role(stack.arms[a]) for a in arms}
+        run.together = [r.name for r in runs if r is not run]
     sessions = {a: _session() for a in arms}
+    order = list(range(len(runs)))
     try:
-        for iteration, turn, make in warmup:
-            for arm in arms:
-                sample = Sample(name, iteration, turn, arm, -1)
-                await send(sessions[arm], stack.arms[arm], make(arm), sample, pause_s)
+        for j in range(max(map(len, warmup), default=0)):
+            for c in order:
+                if j < len(warmup[c]):
+                    iteration, turn, make = warmup[c][j]
+                    for arm in arms:
+                        sample = Sample(runs[c].name, iteration, turn, arm, -1)
+                        await send(sessions[arm], stack.arms[arm], make(arm), sample, pause_s)
         start_cpu = {a: _proc_cpu(stack.arms[a]) for a in arms}
         wall0 = time.perf_counter()
-        for step, (iteration, turn, make) in enumerate(steps):
-            for arm in rotated(arms, step):
-                # Built before the clock starts: body encoding is the client's cost.
-                request = make(arm)
-                sample = Sample(name, iteration, turn, arm, step)
-                await send(sessions[arm], stack.arms[arm], request, sample, pause_s)
-                if sample.error:
-                    print(f"  FAIL {name} it{iteration} t{turn} {arm}: {sample.error}", flush=True)
-                run.samples.append(sample)
-        run.wall_s = time.perf_counter() - wall0
-        for arm in arms:
-            end = _proc_cpu(stack.arms[arm])
-            run.whole_cpu_s[arm] = {r: end[r] - start_cpu[arm].get(r, 0.0) for r in end}
+        k = 0  # case-steps sent: the arms' rotation
+        for j in range(max(map(len, steps), default=0)):
+            for c in (order[(i + j) % len(order)] for i in order):
+                if j >= len(steps[c]):
+                    continue
+                run = runs[c]
+                iteration, turn, make = steps[c][j]
+                for arm in rotated(arms, k):
+                    # Built before the clock starts: body encoding is the client's cost.
+                    request = make(arm)
+                    sample = Sample(run.name, iteration, turn, arm, j)
+                    await send(sessions[arm], stack.arms[arm], request, sample, pause_s)
+                    if sample.error:
+                        where = f"{run.name} it{iteration} t{turn} {arm}"
+                        print(f"  FAIL {where}: {sample.error}", flush=True)
+                    run.samples.append(sample)
+                k += 1
+        wall = time.perf_counter() - wall0
+        for run in runs:
+            run.wall_s = wall
+        if len(runs) == 1:
+            for arm in arms:
+                end = _proc_cpu(stack.arms[arm])
+                runs[0].whole_cpu_s[arm] = {r: end[r] - start_cpu[arm].get(r, 0.0) for r in end}
     finally:
         for session in sessions.values():
             await session.close()
@@ -321,16 +419,21 @@ def _proc_cpu(arm: Arm) -> dict[str, float]:
     return {role: process_cpu_seconds(pid) for role, pid in arm.pids.items()}
 
 
-def case_steps(
-    case: str, bodies: Bodies, iterations: int, *, warmup: bool
-) -> list[tuple[int, int, Callable[[str], Request]]]:
+def case_steps(case: str, bodies: Bodies, iterations: int, *, warmup: bool) -> list[Step]:
     # Warm-up iterations are negative: their markers never collide with measured ones.
     first = -iterations if warmup else 0
-    out: list[tuple[int, int, Callable[[str], Request]]] = []
+    out: list[Step] = []
     for i in range(first, first + iterations):
-        if case == "conversation":
+        if case_base(case) == "conversation":
+            api = case_api(case)
             for turn in range(1, TURNS + 1):
-                out.append((i, turn, lambda arm, i=i, t=turn: bodies.conversation_turn(arm, i, t)))
+                out.append(
+                    (
+                        i,
+                        turn,
+                        lambda arm, i=i, t=turn, api=api: bodies.conversation_turn(arm, i, t, api),
+                    )
+                )
         else:
             out.append((i, 0, lambda arm, i=i: bodies.single(case, arm, i)))
     return out
@@ -436,7 +539,11 @@ def latency_table(
     return "\n".join(lines), stats
 
 
-def conversation_tables(run: CaseRun, arms: list[str]) -> tuple[str, dict[str, ArmStats]]:
+def conversation_tables(
+    run: CaseRun, arms: list[str], long_turns: list[int] | None = None
+) -> tuple[str, dict[str, ArmStats]]:
+    """Per turn, then the long turns together: `long_turns`, or the run's own turns whose
+    prompt is >= LONG_HISTORY tokens (the API cases take the chat case's, the same turns)."""
     others = [a for a in arms if a != REFERENCE]
     gateways = [a for a in arms if run.gateway.get(a)]
     head = ["turn", "prompt tokens", f"{REFERENCE} p50 ms"]
@@ -453,15 +560,19 @@ def conversation_tables(run: CaseRun, arms: list[str]) -> tuple[str, dict[str, A
         row += [fmt(stats[a].gateway_cpu_ms, 3) for a in gateways]
         lines.append("| " + " | ".join(row) + " |")
     per_turn = "\n".join(lines)
-    long_turns = _long_turns(run)
+    own = long_turns is None
+    if long_turns is None:
+        long_turns = _long_turns(run)
     long = [s for s in run.samples if s.turn in long_turns]
     agg, stats = latency_table(run, arms, long)
     turns = f"{min(long_turns)}-{max(long_turns)}" if long_turns else "none"
-    text = (
-        f"Per turn (p50 over iterations):\n\n{per_turn}\n\n"
+    which = (
         f"Turns whose prompt (the history resent + the new user message) is >= "
-        f"{LONG_HISTORY:,} tokens (turns {turns}), all together:\n\n{agg}"
+        f"{LONG_HISTORY:,} tokens (turns {turns})"
+        if own
+        else f"The chat conversation's turns of >= {LONG_HISTORY:,} tokens (turns {turns})"
     )
+    text = f"Per turn (p50 over iterations):\n\n{per_turn}\n\n{which}, all together:\n\n{agg}"
     return text, stats
 
 
@@ -503,6 +614,87 @@ def _verdict(measured: float, limit: float, unit: str) -> tuple[str, str]:
     if spare >= 0:
         return "met", f"{spare:.2f} {unit} to spare"
     return "missed", f"over by {-spare:.2f} {unit}"
+
+
+def _added(stats: dict[str, dict[str, ArmStats]], case: str, arm: str) -> float:
+    st = stats.get(case, {})
+    if arm not in st or REFERENCE not in st:
+        return math.nan
+    return st[arm].p50 - st[REFERENCE].p50
+
+
+def _cpu(stats: dict[str, dict[str, ArmStats]], case: str, arm: str) -> float:
+    st = stats.get(case, {})
+    return st[arm].gateway_cpu_ms if arm in st else math.nan
+
+
+def _ratio(value: float, ref: float) -> float:
+    """value / ref; NaN unless both are > 0 (an added p50 <= 0 is below what the run
+    resolves, and a ratio to it means nothing)."""
+    if math.isnan(value) or math.isnan(ref) or value <= 0 or ref <= 0:
+        return math.nan
+    return value / ref
+
+
+def _within(ratio: float) -> str:
+    return "n/a" if math.isnan(ratio) else ("yes" if ratio <= TARGET_API_OVER_CHAT else "no")
+
+
+def api_table(
+    stats: dict[str, dict[str, ArmStats]],
+    paired: dict[str, dict[str, float]],
+    prompt_tokens: dict[str, float],
+    arms: list[str],
+) -> str:
+    """Per kvgate arm and case: kvgate's added p50 and CPU per request on each API beside
+    chat's, and the ratio to chat's (the target: <= 1.2, i.e. at most 20 % above chat).
+
+    Also the paired added p50 and kvgate's CPU over the no-op server's in the same case
+    (which takes out a drift of the machine between cases), each as a ratio to chat's, and
+    in the conversation the CPU over chat-tools' (chat with the same agent history)."""
+    lines = [
+        "| arm | case | API | prompt tokens p50 | added p50 ms | / chat | paired added p50 ms "
+        "| / chat | CPU ms/req | / chat | CPU / noop CPU | / chat | CPU / chat-tools' "
+        "| within 20 % of chat (added p50, CPU) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for arm in (a for a in arms if a.startswith("kvgate")):
+        for base in ("1k", "conversation"):
+            for api in ("chat", "chat-tools", *OTHER_APIS):
+                case = base if api == "chat" else f"{base}-{api}"
+                if case not in stats:
+                    continue
+
+                def row(case: str, arm: str = arm) -> tuple[float, float, float, float]:
+                    cpu = _cpu(stats, case, arm)
+                    noop = _cpu(stats, case, NOOP)
+                    pair = paired.get(case, {}).get(arm, math.nan)
+                    return _added(stats, case, arm), pair, cpu, cpu / noop if noop else math.nan
+
+                mine = row(case)
+                if api == "chat":
+                    ratios = (math.nan,) * 4
+                    verdict = "(reference)"
+                else:
+                    chat = row(base)
+                    ratios = (
+                        _ratio(mine[0], chat[0]),
+                        _ratio(mine[1], chat[1]),
+                        _ratio(mine[2], chat[2]),
+                        _ratio(mine[3], chat[3]),
+                    )
+                    verdict = f"{_within(ratios[0])}, {_within(ratios[2])}"
+                tools_case = f"{base}-chat-tools"
+                over_tools = math.nan
+                if api in OTHER_APIS and tools_case in stats:
+                    over_tools = _ratio(mine[2], _cpu(stats, tools_case, arm))
+                lines.append(
+                    f"| {arm} | {base} | {api} | {fmt(prompt_tokens.get(case, math.nan), 0)} "
+                    f"| {fmt(mine[0])} | {fmt(ratios[0])} | {fmt(mine[1])} | {fmt(ratios[1])} "
+                    f"| {fmt(mine[2], 3)} | {fmt(ratios[2])} | {fmt(mine[3])} | {fmt(ratios[3])} "
+                    f"| {fmt(over_tools)} | {verdict} |"
+                )
+    return "\n".join(lines)
 
 
 def targets_table(stats: dict[str, dict[str, ArmStats]], arms: list[str]) -> str:
@@ -547,6 +739,22 @@ def targets_table(stats: dict[str, dict[str, ArmStats]], arms: list[str]) -> str
             ("added p50, 100k <= 25 ms", added("100k", arm), TARGET_100K_ADDED_MS, "ms"),
             ("stream: added gap p99 <= 0.5 ms", gap, TARGET_STREAM_GAP_P99_MS, "ms"),
         ]
+        for case in (c for c in API_CASES if c in stats and case_api(c) in OTHER_APIS):
+            base = case_base(case)
+            rows += [
+                (
+                    f"added p50, {case} <= 1.2 x {base}'s",
+                    _ratio(_added(stats, case, arm), _added(stats, base, arm)),
+                    TARGET_API_OVER_CHAT,
+                    "x",
+                ),
+                (
+                    f"gateway CPU per request, {case} <= 1.2 x {base}'s",
+                    _ratio(_cpu(stats, case, arm), _cpu(stats, base, arm)),
+                    TARGET_API_OVER_CHAT,
+                    "x",
+                ),
+            ]
         for text, measured, limit, unit in rows:
             met, margin = _verdict(measured, limit, unit)
             lines.append(
@@ -623,7 +831,9 @@ def parse_iterations(spec: str) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES), help=f"subset of {','.join(CASES)}")
+    parser.add_argument(
+        "--cases", default=",".join(CHAT_CASES), help=f"subset of {','.join(CASES)}, or all"
+    )
     parser.add_argument("--iterations", default="", help="N, or case=N,... (see the docstring)")
     parser.add_argument("--arms", default="envoy,noop,kvgate", help=",".join(ALLOWED_ARMS))
     parser.add_argument("--out", type=Path, default=None)
@@ -631,11 +841,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--warmup", type=int, default=3, help="unrecorded steps per case")
     parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run every case alone (default: a case and its other-API variants interleaved)",
+    )
+    parser.add_argument(
         "--pause-ms", type=float, default=2.0, help="after each response, before the next send"
     )
     args = parser.parse_args(argv)
 
-    cases = [c for c in args.cases.split(",") if c]
+    cases = list(CASES) if args.cases == "all" else [c for c in args.cases.split(",") if c]
     arms = [a for a in args.arms.split(",") if a]
     if bad := (set(cases) - set(CASES)) | (set(arms) - set(ALLOWED_ARMS)):
         parser.error(f"unknown cases/arms: {sorted(bad)}")
@@ -675,28 +890,38 @@ def main(argv: list[str] | None = None) -> int:
         for line in stack.describe():
             print("  " + line, flush=True)
         live = [a for a in arms if a in stack.arms]
-        # Non-streamed cases first, while the simulator answers at once.
+        # Non-streamed cases first, while the simulator answers at once. A case and the same
+        # case on the other APIs run together, interleaved (unless --sequential).
+        groups: dict[str, list[str]] = {}
         for case in sorted(cases, key=lambda c: c == "stream"):
-            if case == "stream":
+            groups.setdefault(case if args.sequential else case_base(case), []).append(case)
+        for group in groups.values():
+            if "stream" in group:
                 stack.restart_sim(SimSettings(ttft_ms=0.0, itl_ms=STREAM_ITL_MS))
             stack.quiesce(timeout=15.0)
-            n = iterations[case]
-            warm = min(args.warmup, 1) if case in ("conversation", "100k") else args.warmup
-            print(f"[{time.time() - started:.0f}s] {case}: {n} iterations x {live}", flush=True)
-            run = CaseRun(case)
-            runs.append(run)
+            long_case = case_base(group[0]) in ("conversation", "100k")
+            warm = min(args.warmup, 1) if long_case else args.warmup
+            todo = ", ".join(f"{c} {iterations[c]}" for c in group)
+            print(f"[{time.time() - started:.0f}s] {todo} iterations x {live}", flush=True)
+            group_runs = [CaseRun(case) for case in group]
+            runs.extend(group_runs)
             runner(
-                run_case(
-                    run,
+                run_cases(
+                    group_runs,
                     stack,
                     live,
-                    case_steps(case, bodies, n, warmup=False),
-                    case_steps(case, bodies, warm, warmup=True),
+                    [case_steps(c, bodies, iterations[c], warmup=False) for c in group],
+                    [case_steps(c, bodies, warm, warmup=True) for c in group],
                     pause_s,
                 )
             )
-            fails = sum(not s.ok for s in run.samples)
-            print(f"  {len(run.samples)} requests in {run.wall_s:.1f}s, {fails} failed", flush=True)
+            for run in group_runs:
+                fails = sum(not s.ok for s in run.samples)
+                print(
+                    f"  {run.name}: {len(run.samples)} requests in {run.wall_s:.1f}s, "
+                    f"{fails} failed",
+                    flush=True,
+                )
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
     finally:
@@ -712,18 +937,66 @@ def main(argv: list[str] | None = None) -> int:
         "stream": f"stream: {STREAM_TOKENS} tokens at {STREAM_ITL_MS:g} ms/token, "
         "one stream in flight",
     }
+    api_names = {"messages": "Anthropic Messages", "responses": "OpenAI Responses"}
+    for api in OTHER_APIS:
+        where = f"`POST /v1/{api}` ({api_names[api]})"
+        titles[f"1k-{api}"] = f"1k-{api}: one ~1,000-token user message on {where}"
+        titles[f"conversation-{api}"] = (
+            f"conversation-{api}: {TURNS} turns of an agent's conversation on {where}"
+        )
+    titles["conversation-chat-tools"] = (
+        f"conversation-chat-tools: the agent's conversation ({TURNS} turns) on chat completions "
+        "(tool_calls, tool messages)"
+    )
+    chat_conversation = next((r for r in runs if r.name == "conversation"), None)
+    chat_long = _long_turns(chat_conversation) if chat_conversation else None
+    prompt_tokens: dict[str, float] = {}
+    paired: dict[str, dict[str, float]] = {}
     for run in runs:
-        if run.name == "conversation":
-            table, stats[run.name] = conversation_tables(run, live)
+        measured = run.samples
+        if case_base(run.name) == "conversation":
+            long_turns = None if run.name == "conversation" else chat_long
+            table, stats[run.name] = conversation_tables(run, live, long_turns)
+            turns = long_turns if long_turns is not None else _long_turns(run)
+            measured = [s for s in run.samples if s.turn in turns]
+            counted = [s.prompt_tokens for s in measured if s.prompt_tokens]
+            if counted:
+                prompt_tokens[run.name] = float(np.median(counted))
         elif run.name == "stream":
             table, stats[run.name] = stream_table(run, live)
         else:
             table, stats[run.name] = latency_table(run, live, run.samples)
+        paired[run.name] = {a: paired_added_p50(measured, a) for a in live if a != REFERENCE}
         tokens = [s.prompt_tokens for s in run.samples if s.prompt_tokens]
         size = f", prompt {int(np.median(tokens)):,} tokens (p50)" if tokens else ""
+        with_ = f" (interleaved with {', '.join(run.together)})" if run.together else ""
+        if tokens and run.name not in prompt_tokens:
+            prompt_tokens[run.name] = float(np.median(tokens))
         sections.append(
             f"## {titles[run.name]}\n\n{iterations[run.name]} iterations, "
-            f"{len(run.samples)} requests in {run.wall_s:.0f} s{size}.\n\n{table}\n"
+            f"{len(run.samples)} requests in {run.wall_s:.0f} s{with_}{size}.\n\n{table}\n"
+        )
+    if any(c in stats for c in API_CASES):
+        order = (
+            "Each API case ran interleaved with its chat case, step by step (the arms "
+            "interleaved within each step), so the ratios are paired like the arms."
+            if any(r.together for r in runs if r.name in API_CASES)
+            else "The cases ran one after another (the arms interleaved within each), so a "
+            "ratio to chat also carries any drift of the machine between cases."
+        )
+        sections.append(
+            "## kvgate per API beside chat\n\n"
+            "kvgate's added p50 (its p50 minus envoy's, same case) and its CPU per request on "
+            "each API, beside chat's from the same run, and the ratio to chat's; the target "
+            f"is a ratio <= {TARGET_API_OVER_CHAT:g} (at most 20 % above chat; cheaper "
+            "meets it). conversation: the chat conversation's turns of "
+            f">= {LONG_HISTORY:,} tokens on every API. {order} kvgate's CPU over the no-op "
+            "server's in the same case is a second way to take out a drift of the machine. "
+            "chat-tools: the Messages and Responses conversation (an agent's, with tool calls "
+            "and tool output) sent as chat completions, the chat reference for the same "
+            "request shape. A ratio of added p50s is n/a when either is <= 0 (below what the "
+            "run resolves).\n\n"
+            f"{api_table(stats, paired, prompt_tokens, live)}\n"
         )
     skipped = "".join(f"\nSkipped arm {a}: {why}." for a, why in stack.skipped.items())
     dirty = " + uncommitted src/ changes" if git_output("status", "--porcelain", "src") else ""
@@ -741,7 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
             "arm's p50 minus envoy's; paired: the median of per-step differences. CPU: the "
             "process's thread run time (schedstat) from the send until "
             f"{args.pause_ms:g} ms after the response, per request; whole-case: the "
-            "/proc/<pid>/stat delta over the case / the arm's requests (idle included). "
+            "/proc/<pid>/stat delta over the case / the arm's requests (idle included; n/a for "
+            "cases run interleaved with others). "
             "Failed requests are left out of the latencies, not of the CPU.\n",
             *sections,
             "## Targets\n",
