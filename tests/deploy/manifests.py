@@ -15,6 +15,8 @@ from typing import Any
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from kvgate.anthropic.errors import error_type_for_status
+from kvgate.anthropic.requests import COUNT_TOKENS_PATH, MESSAGES_PATH
 from kvgate.config.model import ServerConfig
 from kvgate.metrics import Metrics
 from testbed.harness import (
@@ -461,39 +463,132 @@ def check_guard_routes(routes: list[dict[str, Any]], where: str) -> None:
 
 
 # --------------------------------------------------------------------------- local replies
-# Envoy's own local replies become OpenAI-shaped JSON; kvgate's ImmediateResponses (details
-# kvgate_*) and the not_admitted direct response (details direct_response) are left alone.
+# Envoy's own local replies become OpenAI-shaped JSON, Anthropic-shaped on the Messages API's
+# paths; kvgate's ImmediateResponses (details kvgate_*) are left alone, and so is the
+# not_admitted direct response (details direct_response) except on the Messages API's paths.
 
 KVGATE_EXCLUDED = "!response.code_details.startsWith('kvgate_')"
 DIRECT_RESPONSE_EXCLUDED = "response.code_details != 'direct_response'"
+# The paths kvgate answers in Anthropic's shape (kvgate.anthropic.requests), query string
+# ignored (request.url_path), exactly as kvgate picks its vocabulary.
+ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
+ANTHROPIC_PATH_MATCH = "request.url_path in [{}]".format(
+    ", ".join(f"'{path}'" for path in ANTHROPIC_PATHS)
+)
+# The one mapper that rewrites the guard's direct response (a 500), on those paths only.
+ANTHROPIC_GUARD = (
+    f"{ANTHROPIC_PATH_MATCH} && response.code == 500 && response.code_details == 'direct_response'"
+)
+# What the Anthropic mappers add to the OpenAI ones: a type of their own for these statuses.
+ANTHROPIC_ONLY_STATUSES = {401, 403, 404, 429}
+RETRY_AFTER = [
+    {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+]
+
+
+def mapper_expression(mapper: dict[str, Any]) -> str:
+    extension = mapper["filter"]["extension_filter"]
+    assert extension["name"] == "envoy.access_loggers.extension_filters.cel", extension
+    expression: str = extension["typed_config"]["expression"]
+    return expression
+
+
+def status_range(expression: str) -> tuple[int, int]:
+    """The statuses [low, high) a mapper's expression can match."""
+    if found := re.search(r"response\.code == (\d{3})", expression):
+        return int(found[1]), int(found[1]) + 1
+    low = re.search(r"response\.code >= (\d{3})", expression)
+    high = re.search(r"response\.code < (\d{3})", expression)
+    assert low, expression
+    return int(low[1]), int(high[1]) if high else 600
+
+
+def _check_precedence(mappers: list[dict[str, Any]], where: str) -> None:
+    """No mapper is shadowed by an earlier, wider one (the first match wins)."""
+    ranges = [status_range(mapper_expression(m)) for m in mappers]
+    for i, (low, high) in enumerate(ranges):
+        for earlier_low, earlier_high in ranges[:i]:
+            assert not (earlier_low <= low and high <= earlier_high), (
+                f"{where}: {mapper_expression(mappers[i])} can never match"
+            )
 
 
 def check_local_reply_config(config: dict[str, Any], where: str) -> None:
     assert "body_format" not in config, f"{where}: a top-level body_format would touch every reply"
-    assert config["mappers"], where
-    for mapper in config["mappers"]:
-        extension = mapper["filter"]["extension_filter"]
-        assert extension["name"] == "envoy.access_loggers.extension_filters.cel", where
-        expression = extension["typed_config"]["expression"]
+    mappers: list[dict[str, Any]] = config["mappers"]
+    assert mappers, where
+    for mapper in mappers:
+        mapper_expression(mapper)
+        assert "status_code" not in mapper and "body" not in mapper, where
+        assert mapper["body_format_override"]["content_type"] == "application/json", where
+    # The Anthropic mappers come first: the OpenAI ones would answer those paths otherwise.
+    prefix = f"{ANTHROPIC_PATH_MATCH} && "
+    anthropic = [m for m in mappers if mapper_expression(m).startswith(prefix)]
+    openai = mappers[len(anthropic) :]
+    assert mappers[: len(anthropic)] == anthropic, f"{where}: Anthropic mappers after OpenAI ones"
+    assert anthropic, f"{where}: no mapper for the Anthropic Messages API's paths"
+
+    for mapper in openai:
+        expression = mapper_expression(mapper)
+        assert "request.url_path" not in expression and "request.path" not in expression, where
         assert KVGATE_EXCLUDED in expression, f"{where}: {expression} may rewrite kvgate's replies"
         assert DIRECT_RESPONSE_EXCLUDED in expression, f"{where}: {expression}"
-        assert "status_code" not in mapper and "body" not in mapper, where
-        first_code = int(re.search(r"response\.code (?:==|>=) (\d{3})", expression)[1])  # type: ignore[index]
-        body = mapper["body_format_override"]
-        assert body["content_type"] == "application/json", where
-        error = body["json_format"]["error"]
+        first_code = status_range(expression)[0]
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert set(mapper["body_format_override"]["json_format"]) == {"error"}, where
         assert set(error) == {"message", "type", "param", "code"}, where
         assert error["param"] is None and error["message"] and error["code"], where
         expected_type = "invalid_request_error" if first_code < 500 else "server_error"
         assert error["type"] == expected_type, f"{where}: {expression}"
+    _check_precedence(openai, where)
     # The codes that matter most each have their own mapper, in this order of precedence.
-    codes = [
-        mapper["body_format_override"]["json_format"]["error"]["code"]
-        for mapper in config["mappers"]
-    ]
+    codes = [m["body_format_override"]["json_format"]["error"]["code"] for m in openai]
     for code in ("payload_too_large", "upstream_unavailable", "gateway_timeout", "upstream_error"):
         assert code in codes, f"{where}: no mapper for {code}"
     assert codes[-1] == "gateway_error", f"{where}: the last mapper catches every other 5xx"
+
+    # Anthropic's shape: {"type": "error", "error": {"type", "message"}}, kvgate's type for the
+    # status (kvgate.anthropic.errors).
+    guards = [m for m in anthropic if mapper_expression(m) == ANTHROPIC_GUARD]
+    assert len(guards) == 1, f"{where}: the guard's direct response on Anthropic's paths"
+    for mapper in anthropic:
+        expression = mapper_expression(mapper)
+        body = mapper["body_format_override"]["json_format"]
+        assert set(body) == {"type", "error"} and body["type"] == "error", f"{where}: {body}"
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], where
+        if mapper in guards:
+            assert body["error"]["type"] == error_type_for_status(500) == "api_error", where
+            continue
+        assert KVGATE_EXCLUDED in expression, f"{where}: {expression} may rewrite kvgate's replies"
+        assert DIRECT_RESPONSE_EXCLUDED in expression, f"{where}: {expression}"
+    rest = [m for m in anthropic if m not in guards]
+    covered: set[int] = set()
+    for mapper in rest:
+        # A range answers every status no earlier mapper took with one type: kvgate's for each.
+        # (529 is Anthropic's own overload status, never Envoy's.)
+        low, high = status_range(mapper_expression(mapper))
+        statuses = set(range(low, high)) - covered - {529}
+        covered |= statuses
+        types = {error_type_for_status(status) for status in statuses}
+        error_type = mapper["body_format_override"]["json_format"]["error"]["type"]
+        assert types == {error_type}, f"{where}: {mapper_expression(mapper)} -> {types}"
+    _check_precedence(rest, where)
+    # Every OpenAI mapper has its Anthropic twin: the same condition on Anthropic's paths, the
+    # same headers (retry-after), in the same order.
+    twins = {mapper_expression(m).removeprefix(prefix): m for m in rest}
+    order = []
+    for mapper in openai:
+        twin = twins.pop(mapper_expression(mapper), None)
+        assert twin is not None, f"{where}: no Anthropic twin for {mapper_expression(mapper)}"
+        assert twin.get("headers_to_add") == mapper.get("headers_to_add"), where
+        order.append(rest.index(twin))
+        if status_range(mapper_expression(mapper))[0] in (503, 504):
+            assert mapper["headers_to_add"] == RETRY_AFTER, f"{where}: waiting helps, say so"
+    assert order == sorted(order), f"{where}: Anthropic mappers in another order"
+    assert {status_range(e)[0] for e in twins} == ANTHROPIC_ONLY_STATUSES, where
+    # The guard's direct response is a 500: it must come before the catch-all 5xx.
+    assert anthropic.index(guards[0]) < anthropic.index(rest[-1]), where
+    assert status_range(mapper_expression(rest[-1])) == (500, 600), where
 
 
 # --------------------------------------------------------------------------- PromQL names

@@ -790,9 +790,11 @@ def test_envoy_gateway_edge() -> None:
 
 
 # --------------------------------------------------------------------------- local replies
-# Envoy's own local replies become OpenAI-shaped JSON; kvgate's ImmediateResponses (details
-# kvgate_*) and the not_admitted direct response (details direct_response) are left alone.
-# tests/e2e/test_local_replies.py runs the real Envoy on envoy/envoy.yaml's mappers.
+# Envoy's own local replies become OpenAI-shaped JSON, Anthropic-shaped on the Messages API's
+# paths; kvgate's ImmediateResponses (details kvgate_*) and the not_admitted direct response
+# (details direct_response; but on the Messages API's paths) are left alone.
+# tests/e2e/test_local_replies.py and test_local_replies_anthropic.py run the real Envoy on
+# envoy/envoy.yaml's mappers.
 
 
 def test_reference_local_reply_config() -> None:
