@@ -11,6 +11,7 @@ import pytest
 
 from kvgate.cache.answers import ClaimState, MemoryAnswerStore
 from kvgate.lifecycle.idempotency import AnswerRecorder
+from kvgate.openai.completeness import answer_defect
 from kvgate.policy import SettleCause
 from vllm_sim.protocol import SSE_DONE, ChatFormatter, error_body, sse
 
@@ -51,6 +52,7 @@ async def _record(
         max_answer_bytes=1 << 20,
         retention_s=60,
         track=tasks.track,
+        judge=answer_defect,  # chat/completions' rule
         keep_marker=True,  # as for an Idempotency-Key
         on_not_kept=why.append,
         stream=stream,

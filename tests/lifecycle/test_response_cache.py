@@ -48,26 +48,26 @@ def test_only_greedy_decoding_is_deterministic(temperature: Any, expected: bool)
 
 def test_sampled_requests_follow_the_tenant_then_the_model_then_the_cache() -> None:
     sampled = chat(temperature=0.7)
-    assert not cacheable(sampled, ON, tenant(), model())
-    assert cacheable(sampled, ON, tenant(), model(response_cache_sampled=True))
-    assert cacheable(sampled, ON.model_copy(update={"sampled": True}), tenant(), model())
+    assert not cacheable(sampled.body, ON, tenant(), model())
+    assert cacheable(sampled.body, ON, tenant(), model(response_cache_sampled=True))
+    assert cacheable(sampled.body, ON.model_copy(update={"sampled": True}), tenant(), model())
     # The tenant's explicit word beats the model's and the cache's.
     assert not cacheable(
-        sampled,
+        sampled.body,
         ON.model_copy(update={"sampled": True}),
         tenant(response_cache_sampled=False),
         model(response_cache_sampled=True),
     )
-    assert cacheable(sampled, ON, tenant(response_cache_sampled=True), model())
+    assert cacheable(sampled.body, ON, tenant(response_cache_sampled=True), model())
     # Greedy requests are cacheable whatever the sampled settings say.
-    assert cacheable(chat(temperature=0), ON, tenant(), model(response_cache_sampled=False))
+    assert cacheable(chat(temperature=0).body, ON, tenant(), model(response_cache_sampled=False))
 
 
 def test_a_tenant_may_opt_in_or_out_of_the_cache() -> None:
     greedy = chat(temperature=0)
-    assert not cacheable(greedy, ON, tenant(response_cache=False), model())
+    assert not cacheable(greedy.body, ON, tenant(response_cache=False), model())
     off = ResponseCacheConfig(enabled=False)
-    assert cacheable(greedy, off, tenant(response_cache=True), model())
+    assert cacheable(greedy.body, off, tenant(response_cache=True), model())
 
 
 def _key(request: ParsedRequest, **parts: str) -> str:

@@ -24,12 +24,15 @@ from kvgate.lifecycle.semantic_cache import (
     semantic_query,
 )
 from kvgate.openai import CHAT_PATH, COMPLETIONS_PATH, ParsedRequest, parse_request
+from kvgate.openai.completeness import answer_defect
 from kvgate.policy import ActualUsage, SettleCause
 
 pytest.importorskip("wordllama")
 
 RESULTS = Path(__file__).parents[2] / "bench" / "results" / "caches" / "semantic_threshold.json"
 SETTINGS = SemanticCacheConfig(enabled=True)
+# The requests here are chat/completions': their API's completeness rule.
+JUDGE = answer_defect
 # A whole chat completion: only complete answers are kept.
 PARIS = json.dumps(
     {
@@ -179,7 +182,9 @@ class Tasks:
 async def _answer(cache: SemanticCache, question: str, tasks: Tasks, body: bytes) -> None:
     query = semantic_query(chat(question), "t", SETTINGS)
     assert query is not None
-    found = await lookup(cache, SETTINGS, query, owner="o1", lock_ttl_s=5, track=tasks.track)
+    found = await lookup(
+        cache, SETTINGS, query, owner="o1", lock_ttl_s=5, track=tasks.track, judge=JUDGE
+    )
     assert found.result is SemanticResult.MISS and found.recorder is not None
     found.recorder.on_headers(200, "application/json")
     found.recorder.on_chunk(body)
@@ -194,7 +199,9 @@ async def test_a_surface_paraphrase_hits_and_a_near_miss_does_not(cache: Semanti
     async def ask(question: str) -> Any:
         query = semantic_query(chat(question), "t", SETTINGS)
         assert query is not None
-        return await lookup(cache, SETTINGS, query, owner="o2", lock_ttl_s=5, track=tasks.track)
+        return await lookup(
+            cache, SETTINGS, query, owner="o2", lock_ttl_s=5, track=tasks.track, judge=JUDGE
+        )
 
     hit = await ask("Hello! What is the capital of France, please?")
     assert hit.result is SemanticResult.HIT
@@ -212,13 +219,17 @@ async def test_a_cut_answer_is_neither_stored_nor_indexed(cache: SemanticCache) 
     tasks = Tasks()
     query = semantic_query(chat("How tall is Mont Blanc?"), "t", SETTINGS)
     assert query is not None
-    found = await lookup(cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track)
+    found = await lookup(
+        cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track, judge=JUDGE
+    )
     assert found.recorder is not None
     found.recorder.on_headers(200, "text/event-stream")
     found.recorder.on_chunk(b"data: {}\n\n")
     found.recorder.finish(SettleCause.DISCONNECTED)
     await tasks.run()
-    again = await lookup(cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track)
+    again = await lookup(
+        cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track, judge=JUDGE
+    )
     assert again.result is SemanticResult.MISS
     assert cache.index.mirrored_entries == 0
 
@@ -229,7 +240,9 @@ async def test_an_entry_whose_answer_is_gone_is_a_miss_and_forgotten(cache: Sema
     await cache.answers.close()  # the memory store drops every answer (as eviction would)
     query = semantic_query(chat("How tall is Mont Blanc?"), "t", SETTINGS)
     assert query is not None
-    found = await lookup(cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track)
+    found = await lookup(
+        cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track, judge=JUDGE
+    )
     assert found.result is SemanticResult.MISS
     assert cache.index.mirrored_entries == 0
 
@@ -247,7 +260,9 @@ async def test_a_store_that_is_down_means_the_request_runs_uncached() -> None:
         query = semantic_query(chat("What is the capital of France?"), "t", SETTINGS)
         assert query is not None
         tasks = Tasks()
-        found = await lookup(cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track)
+        found = await lookup(
+            cache, SETTINGS, query, owner="o", lock_ttl_s=5, track=tasks.track, judge=JUDGE
+        )
         assert found.result is SemanticResult.UNAVAILABLE and found.recorder is None
     finally:
         await cache.close()

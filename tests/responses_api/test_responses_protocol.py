@@ -12,8 +12,10 @@ import pytest
 
 from kvgate.app import KvgateServer
 from kvgate.config import hash_api_key, parse_config
+from kvgate.lifecycle.answer_sources import Hit, SourceName
 from kvgate.lifecycle.exchange import Exchange, Forward
 from kvgate.lifecycle.protocol import ClientError, Outcome, Refused
+from kvgate.lifecycle.response_cache import CACHE_HEADER
 from kvgate.lifecycle.ticket import CLAMP_HEADER, FALLBACK_HEADER
 from kvgate.policy import Reason, SettleCause
 from kvgate.protocols import CHAT_COMPLETIONS
@@ -62,8 +64,8 @@ def config(**tenant_limits: Any) -> dict[str, Any]:
             }
         ],
         "backends": [{"name": "gpu", "kv_budget_tokens": 8192, "kv_block_size": 16}],
-        # Both on: neither may touch a Responses answer.
-        "response_cache": {"enabled": True},
+        # Both on, a hit charged as the answer it replays.
+        "response_cache": {"enabled": True, "hit_charge": "full"},
         "idempotency": {"enabled": True},
     }
 
@@ -93,8 +95,11 @@ def exchange_for(server: KvgateServer, n: int, api: Any = API, **options: Any) -
 
 async def in_flight(server: KvgateServer) -> tuple[int, int]:
     await server.services.drain(timeout_s=5)
-    [status] = await server.store.backend_status() or [None]
-    return (0, 0) if status is None else (status.kv_tokens_in_flight, status.requests_in_flight)
+    statuses = await server.store.backend_status()  # a charged hit's ledger is one too
+    return (
+        sum(status.kv_tokens_in_flight for status in statuses),
+        sum(status.requests_in_flight for status in statuses),
+    )
 
 
 def sse(kind: str, **payload: Any) -> bytes:
@@ -163,23 +168,152 @@ async def test_without_max_output_tokens_the_reserved_cap_is_written_in(
     assert await in_flight(server) == (0, 0)
 
 
-async def test_the_answer_layer_does_not_apply(server: KvgateServer) -> None:
-    """Neither the Idempotency-Key nor the exact cache reads a Responses answer: the same
-    request with the same key runs twice, and nothing is kept."""
-    body = json.dumps({**TURNS, "temperature": 0}).encode()
-    for n in (1, 2):
-        exchange = exchange_for(server, n, idempotency_key="same-key")
-        forward = await exchange.decide(body)
-        assert isinstance(forward, Forward)
-        exchange.answer_headers(200, "application/json")
-        usage = {"input_tokens": forward.ticket.prompt_tokens, "output_tokens": 1}
-        exchange.on_chunk(
-            json.dumps({"object": "response", "usage": usage}).encode(), end_of_stream=True
-        )
-        await exchange.settle(exchange.end_cause())
+def response(prompt_tokens: int, status: str = "completed", **fields: Any) -> dict[str, Any]:
+    """A finished ``response`` as vLLM writes it (one message item)."""
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": MODEL,
+        "status": status,
+        "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete" else None),
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "assistant",
+                "status": status,
+                "content": [{"type": "output_text", "text": "Sunny.", "annotations": []}],
+            }
+        ],
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 3, "total_tokens": 0},
+        **fields,
+    }
+
+
+def response_stream(prompt_tokens: int, terminal: str = "response.completed") -> bytes:
+    """A finished Responses stream as vLLM writes it."""
+    status = "incomplete" if terminal == "response.incomplete" else "completed"
+    initial = response(prompt_tokens, "in_progress", output=[], usage=None)
+    events = [
+        sse("response.created", response=initial, sequence_number=0),
+        sse("response.in_progress", response=initial, sequence_number=1),
+        sse(
+            "response.output_text.delta",
+            delta="Sunny.",
+            item_id="msg_1",
+            output_index=0,
+            content_index=0,
+            sequence_number=2,
+        ),
+        sse(terminal, response=response(prompt_tokens, status), sequence_number=3),
+    ]
+    return b"".join(events)
+
+
+# Deterministic, and plain: the same body hits.
+GREEDY: dict[str, Any] = {
+    "model": MODEL,
+    "max_output_tokens": 16,
+    "temperature": 0,
+    "input": "Weather in Paris?",
+}
+
+
+async def test_the_exact_cache_keeps_a_complete_response_and_a_hit_is_a_charged_request(
+    server: KvgateServer,
+) -> None:
+    """A finished response is kept; the same body again is a hit, charged to the tenant
+    (``hit_charge: full``) and taking its RPM slot. The key is the client's own body: a
+    field the converted chat request drops (``metadata``, echoed in the response) makes
+    another entry."""
+    body = json.dumps(GREEDY).encode()
+    first = exchange_for(server, 1)
+    forward = await first.decide(body)
+    assert isinstance(forward, Forward)
+    assert first.answer_headers(200, "application/json")[CACHE_HEADER] == "miss"
+    first.on_chunk(json.dumps(response(forward.ticket.prompt_tokens)).encode(), end_of_stream=True)
+    await first.settle(first.end_cause())
+    await server.services.drain(timeout_s=5)
+    hit = await exchange_for(server, 2).decide(body)
+    assert isinstance(hit, Hit) and hit.headers[CACHE_HEADER] == "hit"
+    assert json.loads(hit.answer.body) == response(forward.ticket.prompt_tokens)
+    other = exchange_for(server, 3)
+    tagged = json.dumps({**GREEDY, "metadata": {"run": "2"}}).encode()
+    assert isinstance(await other.decide(tagged), Forward)
+    assert other.answer_headers(200, "application/json")[CACHE_HEADER] == "miss"
+    other.close(SettleCause.DISCONNECTED)
+    with pytest.raises(Refused) as refused:  # rpm 3: the hit was one of them
+        await exchange_for(server, 4).decide(body)
+    assert refused.value.label is Reason.RPM_EXCEEDED
     assert await in_flight(server) == (0, 0)
     totals = (await server.store.usage_totals())[("acme", MODEL)]
-    assert totals.requests == 2
+    assert (totals.cache_hits, totals.cache_saved_tokens) == (1, forward.ticket.prompt_tokens + 3)
+    assert totals.requests == 3  # the run, the charged hit, the request cut short
+
+
+@pytest.mark.parametrize("terminal", ["response.completed", "response.incomplete"])
+async def test_an_idempotency_key_replays_a_complete_response_stream(
+    server: KvgateServer, terminal: str
+) -> None:
+    """The same key and body again: the stored stream, marked as a replay, not charged
+    again but a request the tenant made. A response cut by its own max_output_tokens is
+    the request's complete answer."""
+    body = json.dumps({**GREEDY, "stream": True}).encode()
+    first = exchange_for(server, 1, idempotency_key="k-1")
+    forward = await first.decide(body)
+    assert isinstance(forward, Forward)
+    stream = response_stream(forward.ticket.prompt_tokens, terminal)
+    first.answer_headers(200, "text/event-stream; charset=utf-8")
+    first.on_chunk(stream, end_of_stream=True)
+    await first.settle(first.end_cause())
+    await server.services.drain(timeout_s=5)
+    replay = await exchange_for(server, 2, idempotency_key="k-1").decide(body)
+    assert isinstance(replay, Hit) and replay.reason == "idempotent_replay"
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.answer.body == stream
+    with pytest.raises(Refused) as refused:  # another body under the key
+        await exchange_for(server, 3, idempotency_key="k-1").decide(json.dumps(GREEDY).encode())
+    assert refused.value.answer.status == 422
+    totals = (await server.store.usage_totals())[("acme", MODEL)]
+    assert totals.requests == 1  # the replay was charged when it ran
+    with pytest.raises(Refused) as refused:
+        await exchange_for(server, 4).decide(body)
+    assert refused.value.label is Reason.RPM_EXCEEDED
+    assert await in_flight(server) == (0, 0)
+
+
+def _broken(prompt_tokens: int) -> list[tuple[str, bytes]]:
+    whole = response_stream(prompt_tokens)
+    cut = whole[: whole.index(b"event: response.completed")]
+    failed = response(prompt_tokens, "failed", error={"code": "server_error", "message": "x"})
+    return [
+        ("text/event-stream", cut),  # no terminal event
+        ("text/event-stream", cut + sse("error", code="server_error", message="engine died")),
+        ("text/event-stream", cut + sse("response.failed", response=failed, sequence_number=3)),
+        ("application/json", json.dumps(response(prompt_tokens, "cancelled")).encode()),
+        ("text/html", b"<html>502 Bad Gateway</html>"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+async def test_a_broken_response_is_never_kept(server: KvgateServer, case: int) -> None:
+    """A 200 that is not a finished response: neither the key nor the cache keeps it, so
+    the same request with the same key runs again (and misses again)."""
+    body = json.dumps({**GREEDY, "stream": case < 3}).encode()
+    first = exchange_for(server, 1, idempotency_key="k-broken")
+    forward = await first.decide(body)
+    assert isinstance(forward, Forward)
+    content_type, answer = _broken(forward.ticket.prompt_tokens)[case]
+    assert first.answer_headers(200, content_type)[CACHE_HEADER] == "miss"
+    first.on_chunk(answer, end_of_stream=True)
+    await first.settle(first.end_cause())
+    await server.services.drain(timeout_s=5)
+    again = exchange_for(server, 2, idempotency_key="k-broken")
+    assert isinstance(await again.decide(body), Forward)
+    assert again.answer_headers(200, content_type)[CACHE_HEADER] == "miss"
+    again.close(SettleCause.DISCONNECTED)
+    assert await in_flight(server) == (0, 0)
 
 
 async def test_refusals_are_openai_shaped(server: KvgateServer) -> None:
@@ -232,7 +366,9 @@ async def test_the_forwarded_body_after_a_fallback_or_a_clamp(server: KvgateServ
 
 def test_the_protocols_parts() -> None:
     assert API.path == "/v1/responses" and API.name == "openai_responses"
-    assert not API.reuses_answers
+    assert API.answer_sources == {SourceName.IDEMPOTENCY, SourceName.EXACT_CACHE}
+    greedy = json.dumps(GREEDY).encode()
+    assert API.client_body(API.parse(greedy)) == GREEDY  # not the converted chat request
     streamed = API.parse(json.dumps({**TURNS, "stream": True}).encode())
     assert not API.wants_usage_report(streamed)
     with pytest.raises(ClientError) as error:

@@ -14,20 +14,29 @@ fails open is a ``Bypass``). The composition root lists the sources in the order
 asked (``app.py``): a new cache is one module with an ``AnswerSource`` and one line there.
 ``answer_run.AnswerRun`` is one request's walk through them and the recorders that keep its
 answer.
+
+Which sources an API allows is the API's (``ApiProtocol.answer_sources``, by ``SourceName``),
+and so is the rule that says an answer is complete enough to keep
+(``ApiProtocol.answer_defect``, carried to every recorder as ``AnswerQuery.answer_defect``):
+a source asks nothing about the API it serves, and keeps nothing the API's own grammar does
+not call finished. What the sources key, fingerprint and compare is the client's own body
+(``AnswerQuery.body``), not the canonical request an agent API is converted into.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter
 
 from kvgate.cache.answers import StoredAnswer
 from kvgate.config.snapshot import RuntimeSnapshot
 from kvgate.openai import ParsedRequest
+from kvgate.openai.completeness import AnswerDefect
 from kvgate.policy import TenantPolicy
 
 if TYPE_CHECKING:
@@ -35,11 +44,33 @@ if TYPE_CHECKING:
     from kvgate.lifecycle.protocol import ErrorVocabulary
 
 
+class SourceName(enum.StrEnum):
+    """The answer sources, by the name an API allows them by (and metrics and logs use)."""
+
+    IDEMPOTENCY = "idempotency"
+    EXACT_CACHE = "exact_cache"
+    SEMANTIC_CACHE = "semantic_cache"
+
+
+class AnswerJudge(Protocol):
+    """An API's completeness rule: why its answer may not be kept, or None when it is
+    complete by the API's grammar (``kvgate.openai.completeness.answer_defect`` is
+    chat/completions')."""
+
+    def __call__(
+        self, *, stream: bool, status: int, content_type: str, body: bytes
+    ) -> AnswerDefect | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class AnswerQuery:
     """What every source may read about the request it is asked for."""
 
     request: ParsedRequest
+    # The client's own body (``ApiProtocol.client_body``): what the exact cache's key and
+    # the Idempotency-Key's fingerprint digest, what the semantic cache's context is made
+    # of, and where determinism (``temperature``) is read.
+    body: Mapping[str, Any]
     tenant: TenantPolicy
     snapshot: RuntimeSnapshot
     # The admission's own id: the owner of any lock a source takes for this request.
@@ -52,6 +83,8 @@ class AnswerQuery:
     on_wait: Callable[[float], None]
     # The request's API's refusals: a source that refuses answers in its shape.
     errors: ErrorVocabulary
+    # The request's API's completeness rule: every recorder keeps only what it accepts.
+    answer_defect: AnswerJudge
     # Whether this stream sees the answer at all (the split layout's request path does not:
     # nothing it runs can be kept).
     sees_answer: bool = True
@@ -94,7 +127,7 @@ class Bypass:
 class AnswerSource(abc.ABC):
     """One way a request may be answered without a backend."""
 
-    name: str = ""
+    name: SourceName
 
     @abc.abstractmethod
     def applies(self, query: AnswerQuery) -> bool:

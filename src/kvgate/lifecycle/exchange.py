@@ -195,22 +195,28 @@ class Exchange:
                 self.api.errors.model_not_found(request.model), Outcome.MODEL_NOT_ALLOWED_ON_ROUTE
             )
         admission = self._svc.admission(self._snapshot)
+        api = self.api
+        client_body = api.client_body(request)
         query = AnswerQuery(
             request=request,
+            body=client_body,
             tenant=self.tenant,
             snapshot=self._snapshot,
             owner=self._admission_id,
             route_backend=self._route.backend,
             idempotency_key=self._idempotency_key,
             on_wait=self._waiting,
-            errors=self.api.errors,
+            errors=api.errors,
+            answer_defect=api.answer_defect,
             sees_answer=self._sees_answer,
         )
-        sources = (
-            [source for source in self._svc.answer_sources if source.applies(query)]
-            if self.api.reuses_answers
-            else []
-        )
+        # The sources the API allows (each only where its rules read the API's grammar),
+        # and of those the ones that apply to this request.
+        sources = [
+            source
+            for source in self._svc.answer_sources
+            if source.name in api.answer_sources and source.applies(query)
+        ]
         self._answers = self._svc.answer_run(sources)
         request_slot_taken = False
         if sources:
@@ -220,8 +226,9 @@ class Exchange:
             request_slot_taken = await admission.take_request_slot(
                 request, self.tenant, self._admission_id
             )
+            # The client's own body: an agent API's canonical request is a converted one.
             digest = await off_loop(
-                self._svc, self.tenant.name, body_digest, request.body, request.body_bytes
+                self._svc, self.tenant.name, body_digest, client_body, request.body_bytes
             )
             hit = await self._answers.lookup(query, digest)
             if hit is not None:

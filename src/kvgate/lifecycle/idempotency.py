@@ -31,10 +31,17 @@ from kvgate.cache.answers import (
 )
 from kvgate.config.model import IdempotencyConfig
 from kvgate.lifecycle.admission import Rejected, Rejection
-from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Bypass, Hit, Miss
+from kvgate.lifecycle.answer_sources import (
+    AnswerJudge,
+    AnswerQuery,
+    AnswerSource,
+    Bypass,
+    Hit,
+    Miss,
+    SourceName,
+)
 from kvgate.lifecycle.protocol import ClientError
 from kvgate.metrics import Metrics
-from kvgate.openai.completeness import answer_defect
 from kvgate.policy import ActualUsage, Reason, SettleCause
 
 log = logging.getLogger(__name__)
@@ -98,8 +105,9 @@ class TenantWaiters:
 
 class AnswerRecorder:
     """The request that runs for its key (an Idempotency-Key, or a response-cache entry):
-    records what the client receives and, at the end, stores it (a complete 2xx answer)
-    or gives the key up (anything else).
+    records what the client receives and, at the end, stores it (a 2xx answer complete by
+    its API's grammar: `judge`, the request's `ApiProtocol.answer_defect`) or gives the key
+    up (anything else).
 
     `keep_marker`: an answer that completed but cannot be kept (too large, over quota)
     leaves a marker, so that a duplicate is told so and never runs a second generation (an
@@ -116,6 +124,7 @@ class AnswerRecorder:
         max_answer_bytes: int,
         retention_s: float,
         track: Callable[[Coroutine[Any, Any, None]], Any],
+        judge: AnswerJudge,
         on_stored: Callable[[StoredAnswer], Awaitable[None]] | None = None,
         quota: AnswerQuota | None = None,
         keep_marker: bool = False,
@@ -126,6 +135,7 @@ class AnswerRecorder:
         # `stream`: whether the request asked for a stream (its answer must be one); None:
         # the answer's own content type says which grammar it is held to.
         self._stream = stream
+        self._judge = judge
         self._store = store
         self._on_stored = on_stored
         self._on_not_kept = on_not_kept
@@ -176,7 +186,7 @@ class AnswerRecorder:
             stream = self._stream
             if stream is None:
                 stream = self._content_type.lower().startswith("text/event-stream")
-            defect = answer_defect(
+            defect = self._judge(
                 stream=stream,
                 status=self._status,
                 content_type=self._content_type,
@@ -286,13 +296,15 @@ async def claim_key(
     on_wait: Callable[[float], None],
     track: Callable[[Coroutine[Any, Any, None]], Any],
     waiters: TenantWaiters,
+    judge: AnswerJudge,
     on_not_kept: Callable[[str], None] | None = None,
     stream: bool | None = None,
 ) -> AnswerRecorder | KeyOutcome:
     """Run, replay, or refuse. A duplicate of a running request waits (polling the store,
     at most `settings.max_wait_s`, in one of the tenant's `max_waiting_per_tenant` places;
     `on_wait(max_wait_s)` is called once when it starts waiting) and then replays, or runs
-    itself if the first attempt gave up. `fingerprint` is the request body's digest."""
+    itself if the first attempt gave up. `fingerprint` is the request body's digest; `judge`
+    the request's API's completeness rule (what the recorder keeps)."""
     store_key = scoped_key(tenant, key)
     quota = idempotency_quota(settings, tenant)
     started = time.monotonic()
@@ -314,6 +326,7 @@ async def claim_key(
                     max_answer_bytes=settings.max_answer_bytes,
                     retention_s=settings.retention_s,
                     track=track,
+                    judge=judge,
                     quota=quota,
                     keep_marker=True,
                     lock_ttl_s=lock_ttl_s,
@@ -345,7 +358,7 @@ class IdempotencySource(AnswerSource):
     409 while the first request still runs or when its answer was not kept, 429 when the
     tenant has no room for another key or waiter."""
 
-    name = "idempotency"
+    name = SourceName.IDEMPOTENCY
 
     def __init__(
         self,
@@ -379,6 +392,7 @@ class IdempotencySource(AnswerSource):
                 on_wait=query.on_wait,
                 track=self._track,
                 waiters=self._waiters,
+                judge=query.answer_defect,
                 on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
                 stream=query.request.stream,
             )

@@ -5,8 +5,11 @@ An API (OpenAI chat completions, OpenAI completions, ...) is an ``ApiProtocol`` 
 reads (``ParsedRequest``: messages or prompt, tools, max_new per choice, n, sampling,
 stream, the fields kvgate refuses), writes what admission decided into the forwarded body,
 meters its answer's grammar, and names its ``ErrorVocabulary``: every refusal in the API's
-own shape. ``rejection_answer`` is the one mapping from a refusal's reason to a status and
-an error body; the exchange and the Envoy adapter never name an API.
+own shape. It also says what the answer layer may do for it: which answer sources apply
+(``answer_sources``), the body they key and compare (``client_body``), and when an answer
+is complete enough to keep (``answer_defect``, its own grammar's rule).
+``rejection_answer`` is the one mapping from a refusal's reason to a status and an error
+body; the exchange and the Envoy adapter never name an API.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 from kvgate.lifecycle.admission import Rejection
+from kvgate.lifecycle.answer_sources import SourceName
 from kvgate.lifecycle.billing import ResponseReading
 from kvgate.lifecycle.meter import OutputCounter
 from kvgate.lifecycle.ticket import Ticket, served_otherwise_headers
 from kvgate.openai import ParsedRequest
+from kvgate.openai.completeness import AnswerDefect
 from kvgate.policy import RateLimitView, Reason
 
 
@@ -157,11 +162,11 @@ class AnswerMeter(Protocol):
 class ApiProtocol(abc.ABC):
     """One API kvgate meters, served on one path."""
 
-    # Whether the answer layer (Idempotency-Key replays, the exact and semantic caches) may
-    # keep and serve this API's answers: it judges an answer complete by OpenAI's rules
-    # (kvgate.openai.completeness). An API whose answers those rules cannot read says False,
-    # and its requests skip every answer source.
-    reuses_answers: bool = True
+    # The answer sources (Idempotency-Key replays, the exact and semantic caches) that may
+    # answer this API's requests and keep its answers: each only where its rules can be
+    # stated for the API's grammar. A source left out never sees the API's requests (an
+    # Idempotency-Key sent to an API without it is not honoured). None unless named.
+    answer_sources: ClassVar[frozenset[SourceName]] = frozenset()
 
     def __init__(self, name: str, path: str, errors: ErrorVocabulary) -> None:
         # The metric and log name of the API.
@@ -187,6 +192,19 @@ class ApiProtocol(abc.ABC):
     @abc.abstractmethod
     def meter(self, ticket: Ticket) -> AnswerMeter:
         """A reader of the answer's grammar (JSON, SSE events), for the bill."""
+
+    @abc.abstractmethod
+    def answer_defect(
+        self, *, stream: bool, status: int, content_type: str, body: bytes
+    ) -> AnswerDefect | None:
+        """Why an answer may not be kept by the answer layer (a replay, a cache entry), or
+        None when it is complete by the API's own grammar: a 200 in the content type the
+        request asked for, whole, ended as the API ends a finished answer, no error."""
+
+    def client_body(self, request: ParsedRequest) -> dict[str, Any]:
+        """The client's own body, as the answer layer keys, fingerprints and compares it:
+        the parsed body itself for an API whose canonical request is the wire request."""
+        return request.body
 
     def answer_headers(self, ticket: Ticket) -> dict[str, str]:
         """Headers on an admitted request's answer: its rate limits, a fallback or a clamp."""

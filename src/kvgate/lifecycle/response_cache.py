@@ -1,11 +1,13 @@
 """The exact-match response cache: the same model and request again -> the stored answer.
 
-Protocol-free. `lookup` says whether a request may use the cache at all (deterministic, or
-sampled where the operator allows it), and returns the stored answer (a hit), or an
-`AnswerRecorder` that stores this request's answer when it completes (a miss). An identical
-request already running elsewhere is not waited for: this one runs uncached (bypass).
+Protocol-free (the API's completeness rule comes with the query). `lookup` says whether a
+request may use the cache at all (deterministic, or sampled where the operator allows it),
+and returns the stored answer (a hit), or an `AnswerRecorder` that stores this request's
+answer when it completes (a miss). An identical request already running elsewhere is not
+waited for: this one runs uncached (bypass).
 
-The key is the model plus the canonical request body: every field that can change the
+The key is the API's path, the model and the client's canonical body (its own wire body,
+not the chat request an agent API is converted into): every field that can change the
 answer, `stream` and `stream_options` included, because the stored bytes are exactly what
 the client received (a stream with the usage event only where the client asked for it),
 plus what serves it: the route's backend (a canary pool is not the default one) and the
@@ -22,7 +24,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,16 @@ from kvgate.cache.answers import (
 from kvgate.config.model import ModelConfig, ResponseCacheConfig, TenantConfig
 from kvgate.config.snapshot import ModelRoute
 from kvgate.lifecycle.admission import ANSWER_LEDGER, NO_KV
-from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Bypass, Hit, HitCharge, Miss
+from kvgate.lifecycle.answer_sources import (
+    AnswerJudge,
+    AnswerQuery,
+    AnswerSource,
+    Bypass,
+    Hit,
+    HitCharge,
+    Miss,
+    SourceName,
+)
 from kvgate.lifecycle.idempotency import AnswerRecorder
 from kvgate.metrics import Metrics
 from kvgate.openai import ParsedRequest
@@ -74,13 +85,14 @@ BYPASS = CacheLookup(CacheResult.BYPASS)
 
 
 def cacheable(
-    request: ParsedRequest,
+    body: Mapping[str, Any],
     settings: ResponseCacheConfig,
     tenant: TenantConfig | None,
     model: ModelConfig | None = None,
 ) -> bool:
-    """Whether the tenant uses the cache and the request is one it may serve. Whether a
-    sampled request may be: the tenant's setting, else the model's, else the cache's."""
+    """Whether the tenant uses the cache and the request (`body`: the client's own) is one
+    it may serve. Whether a sampled request may be: the tenant's setting, else the
+    model's, else the cache's."""
     enabled = (
         settings.enabled
         if tenant is None or tenant.response_cache is None
@@ -94,10 +106,10 @@ def cacheable(
         sampled = model.response_cache_sampled
     else:
         sampled = settings.sampled
-    return sampled or deterministic(request.body)
+    return sampled or deterministic(body)
 
 
-def deterministic(body: dict[str, Any]) -> bool:
+def deterministic(body: Mapping[str, Any]) -> bool:
     """Greedy decoding (`temperature: 0`): the same request gives the same answer."""
     temperature = body.get("temperature")
     return (
@@ -112,7 +124,7 @@ SHARED_SCOPE = "shared"
 
 
 def cache_scope(
-    shared_scope: bool, tenant: str, tenant_config: TenantConfig | None, body: dict[str, Any]
+    shared_scope: bool, tenant: str, tenant_config: TenantConfig | None, body: Mapping[str, Any]
 ) -> str:
     """Whose entries a request meets: the tenant's own, or (a cache with `scope: model`, a
     tenant that opted in to sharing, a deterministic request) those of every tenant that
@@ -131,10 +143,11 @@ def cache_key(
     served_by: str,
     generation: str = "",
 ) -> str:
-    """The entry's key: the scope, the request (`digest`: its canonical body), and what
-    serves it: `served_by` (the backend or pool the request's route sends it to) and the
-    model's `generation` (`cache_generation`: new weights behind the same name make every
-    earlier entry unreachable at once)."""
+    """The entry's key: the scope, the request (its API's `path`, so that the same bytes
+    sent to two APIs never meet; its model; `digest`: the client's canonical body), and
+    what serves it: `served_by` (the backend or pool the request's route sends it to) and
+    the model's `generation` (`cache_generation`: new weights behind the same name make
+    every earlier entry unreachable at once)."""
     key = hashlib.sha256()
     for part in (scope, request.path, request.model, served_by, generation, digest):
         key.update(part.encode())
@@ -156,11 +169,13 @@ async def lookup(
     owner: str,
     lock_ttl_s: float,
     track: Callable[[Coroutine[Any, Any, None]], Any],
+    judge: AnswerJudge,
     stream: bool | None = None,
     on_not_kept: Callable[[str], None] | None = None,
 ) -> CacheLookup:
-    """A hit, a miss (this request's answer is stored when it completes, in the tenant's
-    quota), or a bypass (an identical request runs, or the tenant's quota is full)."""
+    """A hit, a miss (this request's answer is stored when it completes, complete by
+    `judge`, in the tenant's quota), or a bypass (an identical request runs, or the
+    tenant's quota is full)."""
     quota = cache_quota(settings, tenant)
     claim = await store.claim(key, key, owner, lock_ttl_s, quota=quota)
     if claim.state is ClaimState.COMPLETED:
@@ -174,6 +189,7 @@ async def lookup(
         max_answer_bytes=settings.max_answer_bytes,
         retention_s=settings.ttl_s,
         track=track,
+        judge=judge,
         quota=quota,
         stream=stream,
         on_not_kept=on_not_kept,
@@ -217,7 +233,7 @@ class ExactCacheSource(AnswerSource):
     """The exact-match cache as an answer source: a hit answers with the stored answer
     (charged as `hit_charge` says), a miss stores this request's complete answer."""
 
-    name = "exact_cache"
+    name = SourceName.EXACT_CACHE
 
     def __init__(
         self,
@@ -235,7 +251,7 @@ class ExactCacheSource(AnswerSource):
         snapshot = query.snapshot
         request = query.request
         use = cacheable(
-            request,
+            query.body,
             snapshot.config.response_cache,
             snapshot.tenant_configs.get(query.tenant.name),
             snapshot.model_configs.get(request.model),
@@ -256,7 +272,7 @@ class ExactCacheSource(AnswerSource):
             return Bypass()  # admission answers model_not_found
         model = snapshot.model_configs.get(request.model)
         scope = cache_scope(
-            settings.scope == "model", tenant, snapshot.tenant_configs.get(tenant), request.body
+            settings.scope == "model", tenant, snapshot.tenant_configs.get(tenant), query.body
         )
         key = cache_key(
             request,
@@ -274,6 +290,7 @@ class ExactCacheSource(AnswerSource):
                 owner=query.owner,
                 lock_ttl_s=config.server.lease_ttl_s,
                 track=self._track,
+                judge=query.answer_defect,
                 on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),
                 stream=request.stream,
             )

@@ -1,6 +1,9 @@
 """The semantic cache: a similar question, asked in the same context -> the stored answer.
 
-Protocol-free. Reuse must be safe by construction, so a request is looked up only when
+Its rules are written in chat/completions' grammar (messages or a prompt, tool calls, echo
+and logprob fields), so it serves those APIs only: an API names the sources it allows
+(``ApiProtocol.answer_sources``), and the agent APIs leave this one out (docs/caching.md
+says why). Reuse must be safe by construction, so a request is looked up only when
 everything but its last user turn is identical to the stored one's (the *context*: scope,
 path, model, system prompt and history, every parameter, `stream` included), the last turn
 is plain text, and nothing in it can make the answer depend on more than the question:
@@ -38,7 +41,16 @@ from kvgate.cache.embeddings import (
 from kvgate.cache.semantic import Candidate, EntryLog, SemanticEntry, SemanticIndex
 from kvgate.cache.semantic_guard import GuardLevel, guard_allows, refusal_reason
 from kvgate.config.model import ConfigError, ModelConfig, SemanticCacheConfig, TenantConfig
-from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Bypass, Hit, HitCharge, Miss
+from kvgate.lifecycle.answer_sources import (
+    AnswerJudge,
+    AnswerQuery,
+    AnswerSource,
+    Bypass,
+    Hit,
+    HitCharge,
+    Miss,
+    SourceName,
+)
 from kvgate.lifecycle.idempotency import AnswerRecorder
 from kvgate.lifecycle.response_cache import (
     CACHE_HEADER,
@@ -132,8 +144,10 @@ def semantic_query(
     request: ParsedRequest, scope: str, settings: SemanticCacheConfig, generation: str = ""
 ) -> SemanticQuery | None:
     """The context and the question, or None when reuse would not be safe by construction.
-    `scope` is whose entries the request meets (`response_cache.cache_scope`); `generation`
-    is the model's `cache_generation` (a new one orphans every entry)."""
+    `request` is a chat or completions request (the APIs this cache serves), whose `body`
+    is the client's own. `scope` is whose entries the request meets
+    (`response_cache.cache_scope`); `generation` is the model's `cache_generation` (a new
+    one orphans every entry)."""
     body = request.body
     if not settings.sampled and not deterministic(body):
         return None
@@ -207,12 +221,14 @@ async def lookup(
     owner: str,
     lock_ttl_s: float,
     track: Callable[[Coroutine[Any, Any, None]], Any],
+    judge: AnswerJudge,
     quota: AnswerQuota | None = None,
     tenant: str = "",
     on_not_kept: Callable[[str], None] | None = None,
 ) -> SemanticLookup:
     """A stored answer to a similar question (a hit), or a recorder that stores and indexes
-    this request's answer when it completes (a miss), in the tenant's `quota`. Any failure
+    this request's answer when it completes (a miss; complete by `judge`, the request's
+    API's rule), in the tenant's `quota`. Any failure
     of the embedder or the store: UNAVAILABLE, and the request runs uncached."""
     refusal = refusal_reason(query.question)
     if refusal is not None:
@@ -269,6 +285,7 @@ async def lookup(
         max_answer_bytes=settings.max_answer_bytes,
         retention_s=settings.ttl_s,
         track=track,
+        judge=judge,
         on_stored=index_answer,
         quota=quota,
         stream=query.stream,
@@ -347,7 +364,7 @@ class SemanticCacheSource(AnswerSource):
     """The semantic cache as an answer source: a similar question's stored answer, asked in
     the same context (a hit), or a miss whose complete answer is stored and indexed."""
 
-    name = "semantic_cache"
+    name = SourceName.SEMANTIC_CACHE
 
     def __init__(
         self,
@@ -378,7 +395,7 @@ class SemanticCacheSource(AnswerSource):
         model = snapshot.model_configs.get(request.model)
         assert model is not None  # the model opted in
         scope = cache_scope(
-            settings.scope == "model", tenant, snapshot.tenant_configs.get(tenant), request.body
+            settings.scope == "model", tenant, snapshot.tenant_configs.get(tenant), query.body
         )
         semantic = semantic_query(request, scope, settings, model.cache_generation)
         if semantic is None:
@@ -391,6 +408,7 @@ class SemanticCacheSource(AnswerSource):
             owner=query.owner,
             lock_ttl_s=config.server.lease_ttl_s,
             track=self._track,
+            judge=query.answer_defect,
             quota=cache_quota(config.response_cache, tenant),
             tenant=tenant,
             on_not_kept=lambda why: metrics.answers_not_stored.labels(why).inc(),

@@ -29,9 +29,17 @@ from __future__ import annotations
 
 import enum
 import json
+from dataclasses import dataclass
 from typing import Any, Final, TypeGuard
 
-__all__ = ["AnswerDefect", "answer_defect", "answer_is_complete"]
+__all__ = [
+    "AnswerDefect",
+    "SseEvent",
+    "answer_defect",
+    "answer_is_complete",
+    "head_defect",
+    "sse_events",
+]
 
 
 class AnswerDefect(enum.StrEnum):
@@ -43,10 +51,15 @@ class AnswerDefect(enum.StrEnum):
     EMPTY = "empty"  # no body, or a stream without a single event
     MALFORMED = "malformed"  # not the API's objects, or broken SSE framing
     ERROR = "error"  # an error object: in-band in a stream, or the JSON body
-    NO_DONE = "no_done"  # the stream ended without `data: [DONE]`
+    # The stream ended without its terminal event: `data: [DONE]` (chat/completions),
+    # `message_stop` (Anthropic Messages), `response.completed`/`incomplete` (Responses).
+    NO_DONE = "no_done"
     NO_CHOICES = "no_choices"  # not a single choice
-    UNFINISHED_CHOICE = "unfinished_choice"  # a choice never got its finish_reason
-    FAILED_CHOICE = "failed_choice"  # a choice finished with `abort` or `error`
+    # A choice never got its finish_reason (a message its stop_reason, a response its end).
+    UNFINISHED_CHOICE = "unfinished_choice"
+    # A choice finished with `abort` or `error`; a message without a finished stop_reason;
+    # a response cancelled, or incomplete for another reason than its max_output_tokens.
+    FAILED_CHOICE = "failed_choice"
 
 
 #: Finish reasons that mean the engine gave up on the choice, not that it ended.
@@ -68,6 +81,17 @@ def answer_defect(
     *, stream: bool, status: int, content_type: str, body: bytes
 ) -> AnswerDefect | None:
     """Why the answer is not complete, or None when it is."""
+    head = head_defect(stream=stream, status=status, content_type=content_type, body=body)
+    if head is not None:
+        return head
+    return _stream_defect(body) if stream else _plain_defect(body)
+
+
+def head_defect(
+    *, stream: bool, status: int, content_type: str, body: bytes
+) -> AnswerDefect | None:
+    """What every API's rule checks first: a 200, JSON for a plain request and an event
+    stream for a streamed one, a body that is not empty."""
     if status != 200:
         return AnswerDefect.STATUS
     media_type = content_type.partition(";")[0].strip().lower()
@@ -78,7 +102,44 @@ def answer_defect(
         return AnswerDefect.CONTENT_TYPE
     if not body.strip():
         return AnswerDefect.EMPTY
-    return _stream_defect(body) if stream else _plain_defect(body)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    """One dispatched event: its `event` field (None when it has none) and its data."""
+
+    name: str | None
+    data: str
+
+
+def sse_events(body: bytes) -> tuple[list[SseEvent], bool] | AnswerDefect:
+    """The stream's dispatched events, framed as the module docstring says, and whether an
+    event with data trails unterminated (never dispatched: the stream was cut); MALFORMED
+    for a body that is not UTF-8. For the APIs whose events are named (Anthropic
+    Messages, Responses)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return AnswerDefect.MALFORMED
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    *blocks, tail = text.split("\n\n")
+    events: list[SseEvent] = []
+    for block in blocks:
+        data = _data_of(block)
+        if data is not None:
+            events.append(SseEvent(_name_of(block), data))
+    return events, _data_of(tail) is not None
+
+
+def _name_of(event: str) -> str | None:
+    """The event's `event` field (the last one wins), or None."""
+    name: str | None = None
+    for line in event.split("\n"):
+        if line.startswith("event:"):
+            name = line[7:] if line.startswith(" ", 6) else line[6:]
+    return name
 
 
 def _plain_defect(body: bytes) -> AnswerDefect | None:

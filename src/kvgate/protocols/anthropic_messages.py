@@ -8,14 +8,19 @@ carry their usage (``message_start``, ``message_delta``), so nothing is injected
 nothing stripped; the meter reads Anthropic's JSON ``message`` or its named SSE events.
 Refusals are in Anthropic's shape with ``anthropic-ratelimit-*`` headers.
 
-kvgate's answer layer (Idempotency-Key replays, the exact and semantic caches) judges an
-answer complete by OpenAI's rules, which do not read an Anthropic answer: it does not
-apply to this API (``reuses_answers``); an Idempotency-Key sent with it is ignored.
+The answer layer: an Idempotency-Key is honoured and the exact cache applies, both keyed
+by the client's own body (not the converted chat request), and an answer is kept only when
+it is complete by the Messages grammar (``kvgate.anthropic.completeness``: a ``message``, or
+``message_start`` ... ``message_stop``, with a finished ``stop_reason``). The semantic cache
+does not apply: its rules (a plain-text last user turn, no tools, the rest as context) are
+written in chat's grammar, and Anthropic's differs where they matter (tool use and results,
+images and documents are content blocks, ``system`` is a field), docs/caching.md.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from kvgate.anthropic import (
     COUNT_TOKENS_PATH,
@@ -24,18 +29,21 @@ from kvgate.anthropic import (
     AnthropicError,
     AnthropicErrors,
     MessagesRequest,
+    completeness,
     parse_count_tokens_request,
     parse_messages_request,
     rewrite_messages_body,
 )
 from kvgate.anthropic.meter import MessagesMeter
+from kvgate.lifecycle.answer_sources import SourceName
 from kvgate.lifecycle.protocol import AnswerMeter, ApiProtocol, ClientError, PromptCountApi
 from kvgate.lifecycle.ticket import Ticket
 from kvgate.openai import ParsedRequest
+from kvgate.openai.completeness import AnswerDefect
 
 
 class AnthropicMessages(ApiProtocol):
-    reuses_answers = False
+    answer_sources = frozenset({SourceName.IDEMPOTENCY, SourceName.EXACT_CACHE})
 
     def __init__(
         self,
@@ -66,6 +74,19 @@ class AnthropicMessages(ApiProtocol):
 
     def meter(self, ticket: Ticket) -> AnswerMeter:
         return MessagesMeter(stream_requested=ticket.request.stream)
+
+    def answer_defect(
+        self, *, stream: bool, status: int, content_type: str, body: bytes
+    ) -> AnswerDefect | None:
+        return completeness.answer_defect(
+            stream=stream, status=status, content_type=content_type, body=body
+        )
+
+    def client_body(self, request: ParsedRequest) -> dict[str, Any]:
+        # The canonical request is the converted chat request; the answer is the Messages
+        # body's, and every field of it may shape the answer.
+        assert isinstance(request, MessagesRequest)
+        return request.wire_body
 
 
 class AnthropicCountTokens(PromptCountApi):

@@ -14,29 +14,39 @@ OpenAI's (``kvgate.openai.errors``), with x-ratelimit-* headers.
 Stateful requests (``previous_response_id``, ``conversation``, ``background``) are
 refused: the engine's prompt would include a stored conversation kvgate never counted.
 
-kvgate's answer layer (Idempotency-Key replays, the exact and semantic caches) judges an
-answer complete by the chat/completions rules (``kvgate.openai.completeness``: choices and
-finish reasons), which do not read a Responses answer; it does not apply to this API
-(``reuses_answers``), and an Idempotency-Key sent with it is ignored.
+The answer layer: an Idempotency-Key is honoured and the exact cache applies, both keyed
+by the client's own body (the converted chat request drops fields the response echoes or
+the engine reads: ``temperature``, ``metadata``, ``text``...), and an answer is kept only
+when it is complete by the Responses grammar (``kvgate.responses_api.completeness``: a
+``response``, or ``response.created`` ... ``response.completed``, completed or incomplete
+by its own ``max_output_tokens``). The semantic cache does not apply: its rules are
+written in chat's grammar, and a Responses body's differs where they matter (``input``
+items of many types, ``instructions``, built-in tools, ``enable_response_messages`` echoing
+the prompt in the answer), docs/caching.md.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvgate.lifecycle.answer_sources import SourceName
 from kvgate.lifecycle.protocol import AnswerMeter, ApiProtocol, ClientError
 from kvgate.lifecycle.ticket import Ticket
 from kvgate.openai import ApiError, ParsedRequest
 from kvgate.openai import errors as openai_errors
+from kvgate.openai.completeness import AnswerDefect
 from kvgate.responses_api import (
     RESPONSES_PATH,
     ResponsesMeter,
     ResponsesRequest,
+    completeness,
     parse_responses_request,
     rewrite_responses_body,
 )
 
 
 class OpenAIResponses(ApiProtocol):
-    reuses_answers = False
+    answer_sources = frozenset({SourceName.IDEMPOTENCY, SourceName.EXACT_CACHE})
 
     def __init__(self, name: str = "openai_responses", path: str = RESPONSES_PATH) -> None:
         super().__init__(name, path, openai_errors)
@@ -64,3 +74,16 @@ class OpenAIResponses(ApiProtocol):
 
     def meter(self, ticket: Ticket) -> AnswerMeter:
         return ResponsesMeter(stream_requested=ticket.request.stream)
+
+    def answer_defect(
+        self, *, stream: bool, status: int, content_type: str, body: bytes
+    ) -> AnswerDefect | None:
+        return completeness.answer_defect(
+            stream=stream, status=status, content_type=content_type, body=body
+        )
+
+    def client_body(self, request: ParsedRequest) -> dict[str, Any]:
+        # The canonical request is the converted chat request; the answer is the Responses
+        # body's (which echoes much of it), and every field of it may shape the answer.
+        assert isinstance(request, ResponsesRequest)
+        return request.wire_body
