@@ -130,7 +130,7 @@ def test_a_message_is_counted_and_billed_as_the_engine_counts_it(stack: Stack) -
     assert message.content and message.content[0].type == "text"
     usage = message.usage
     assert usage.input_tokens > 0 and 0 < usage.output_tokens <= 24
-    # Metered by kvgate (the answer layer does not apply to this API).
+    # Metered by kvgate (this stack runs without the response cache).
     assert raw.headers["x-kvgate-cache"] == "bypass"
     assert kvgate_count(stack, raw.headers["x-request-id"]) == usage.input_tokens
     billed = settled(stack, before, 1)

@@ -323,9 +323,12 @@ class Metrics:
             "kvgate_answers_not_stored",
             "2xx answers that ended normally but were not stored for a cache or an "
             "Idempotency-Key (nothing replays them; a retry runs anew), by why they are not "
-            "complete: status, content_type, stream_mismatch, empty, malformed, error "
-            "(in-band error event or error body), no_done, no_choices, unfinished_choice, "
-            "failed_choice (finish_reason abort or error); or because the store did not "
+            "complete by the request's API (chat, completions, Messages, Responses): status, "
+            "content_type, stream_mismatch, empty, malformed, error (in-band error event or "
+            "error body), no_done (no end of stream: [DONE], message_stop, a terminal "
+            "response event), no_choices, unfinished_choice (no finish or stop reason), "
+            "failed_choice (an abort, an error, a failed or filtered response); or because "
+            "the store did not "
             "keep them: too_large, over_quota (the tenant's bytes, or Redis memory), no_room "
             "(no room for another Idempotency-Key), served_otherwise (a budget fallback or "
             "clamp: not the asked request's answer).",
