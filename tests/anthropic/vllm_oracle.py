@@ -15,11 +15,10 @@ import importlib.util
 import sys
 import types
 import zipfile
-from pathlib import Path
 from typing import Any, Literal
 
-ROOT = Path(__file__).resolve().parents[2]
-WHEEL = ROOT / "var" / "wheels" / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+from testbed.engine_models import vllm_wheel
+
 _FILES = ("protocol.py", "serving.py")
 _PREFIX = "vllm/entrypoints/anthropic/"
 _NAME = "_kvgate_vllm_oracle"
@@ -70,9 +69,10 @@ class _Logger:
 
 
 def _load() -> types.ModuleType | None:
-    if not WHEEL.exists():
+    wheel_path = vllm_wheel()  # fetched once from PyPI; None offline
+    if wheel_path is None:
         return None
-    with zipfile.ZipFile(WHEEL) as wheel:
+    with zipfile.ZipFile(wheel_path) as wheel:
         sources = {name: wheel.read(_PREFIX + name).decode() for name in _FILES}
     saved = dict(sys.modules)
     stubs = {

@@ -20,14 +20,13 @@ import importlib.util
 import sys
 import types
 import zipfile
-from pathlib import Path
 from typing import Any, Literal
 
 import openai.types.responses  # noqa: F401  (loaded once: the oracle's classes are these)
 import pydantic
 
-ROOT = Path(__file__).resolve().parents[2]
-WHEEL = ROOT / "var" / "wheels" / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+from testbed.engine_models import vllm_wheel
+
 _PREFIX = "vllm/entrypoints/openai/responses/"
 _FILES = ("protocol.py", "utils.py")
 
@@ -139,9 +138,10 @@ def _merge_kwargs(defaults: dict[str, Any] | None, overrides: dict[str, Any] | N
 
 
 def _load() -> types.ModuleType | None:
-    if not WHEEL.exists():
+    wheel_path = vllm_wheel()  # fetched once from PyPI; None offline
+    if wheel_path is None:
         return None
-    with zipfile.ZipFile(WHEEL) as wheel:
+    with zipfile.ZipFile(wheel_path) as wheel:
         sources = {name: wheel.read(_PREFIX + name).decode() for name in _FILES}
     saved = dict(sys.modules)
     stubs: dict[str, types.ModuleType] = {

@@ -14,14 +14,18 @@ import json
 import sys
 import types
 import zipfile
-from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
-from testbed.engine_models import deepseek_v4_model_dir, gpt_oss_model_dir, mistral_tekken_model_dir
+from testbed.engine_models import (
+    deepseek_v4_model_dir,
+    gpt_oss_model_dir,
+    mistral_tekken_model_dir,
+    vllm_wheel,
+)
 from tests.sim.conftest import MakeClient
 from tests.sim.helpers import CHAT, MODEL, stats
 from vllm_sim import SimConfig, create_app, get_sim
@@ -31,12 +35,6 @@ from vllm_sim.anthropic_protocol import AnthropicMessagesRequest, body_errors, v
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
 HI = [{"role": "user", "content": "Hello there, how are you?"}]
-WHEEL = (
-    Path(__file__).resolve().parents[2]
-    / "var"
-    / "wheels"
-    / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-)
 
 
 # --- vLLM's own Anthropic modules, out of the wheel ------------------------------------------
@@ -86,10 +84,11 @@ _STUBBED = (
 
 
 def _load_vllm() -> types.SimpleNamespace | None:
-    if not WHEEL.exists():
+    wheel_path = vllm_wheel()  # fetched once from PyPI; None offline
+    if wheel_path is None:
         return None
     prefix = "vllm/entrypoints/anthropic/"
-    with zipfile.ZipFile(WHEEL) as wheel:
+    with zipfile.ZipFile(wheel_path) as wheel:
         sources = {n: wheel.read(prefix + n + ".py").decode() for n in ("protocol", "serving")}
     modules: dict[str, types.ModuleType] = {}
 

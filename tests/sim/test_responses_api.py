@@ -16,7 +16,6 @@ import sys
 import types
 import uuid
 import zipfile
-from pathlib import Path
 from typing import Annotated, Any, Literal
 from unittest.mock import patch
 
@@ -24,17 +23,12 @@ import pytest
 from aiohttp.test_utils import TestClient
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
+from testbed.engine_models import vllm_wheel
 from tests.sim.conftest import MakeClient
 from tests.sim.helpers import CHAT, MODEL
 from vllm_sim.responses_protocol import body_errors, fastapi_validation_body
 
 RESPONSES = "/v1/responses"
-WHEEL = (
-    Path(__file__).resolve().parents[2]
-    / "var"
-    / "wheels"
-    / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-)
 TEXT = " the cat sat on a"  # the simulator's first five output tokens
 # Five tokens ending on EOS (the model stopped): four words, the EOS has no text.
 STOPPED_TEXT = " the cat sat on"
@@ -67,7 +61,8 @@ class _PerRequestMetrics(BaseModel):
 
 
 def _load_vllm() -> types.SimpleNamespace | None:
-    if not WHEEL.exists() or not _has_openai():
+    wheel_path = vllm_wheel() if _has_openai() else None  # fetched once; None offline
+    if wheel_path is None:
         return None
     names = {
         "vllm.exceptions": "vllm/exceptions.py",
@@ -77,7 +72,7 @@ def _load_vllm() -> types.SimpleNamespace | None:
         ),
         "vllm.entrypoints.openai.responses.utils": "vllm/entrypoints/openai/responses/utils.py",
     }
-    with zipfile.ZipFile(WHEEL) as wheel:
+    with zipfile.ZipFile(wheel_path) as wheel:
         sources = {name: wheel.read(path).decode() for name, path in names.items()}
     modules: dict[str, types.ModuleType] = {}
 
