@@ -353,16 +353,45 @@ async def test_a_json_message_is_billed_by_its_top_level_usage(size: int) -> Non
     assert not reading.streamed and reading.content_events == 0
 
 
-def test_the_json_scanner_keeps_a_bounded_tail() -> None:
-    scanner = MessageUsageScanner(hold_bytes=1024, tail_bytes=256)
+def test_the_json_scanner_holds_next_to_nothing_of_a_large_body() -> None:
+    scanner = MessageUsageScanner()
     body = message(
         "x" * 50_000, {"input_tokens": 3, "output_tokens": 4, "cache_read_input_tokens": 2}
     )
     for start in range(0, len(body), 100):
         scanner.feed(body[start : start + 100])
-        assert scanner.buffered_bytes <= 1024 + 100
+        assert scanner.buffered_bytes <= 1024
     assert scanner.usage is not None
     assert (scanner.usage.prompt_tokens, scanner.usage.output_tokens) == (5, 4)
+
+
+def test_a_usage_inside_a_tool_input_is_never_the_answers() -> None:
+    """A tool's input is a JSON object the client can steer: a usage in it is not read,
+    whether the real usage is missing, unreadable, or not delivered yet."""
+    decoy = {
+        "type": "tool_use",
+        "id": "toolu_1",
+        "name": "f",
+        "input": {"usage": {"input_tokens": 0, "output_tokens": 0}},
+    }
+    document = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "content": [decoy],
+        "stop_reason": "tool_use",
+    }
+    for usage in (None, {"input_tokens": "9", "output_tokens": 3}):
+        scanner = MessageUsageScanner()
+        scanner.feed(json.dumps({**document, "usage": usage}).encode())
+        assert scanner.usage is None
+    whole = json.dumps({**document, "usage": {"input_tokens": 7, "output_tokens": 2}}).encode()
+    cut = MessageUsageScanner()
+    cut.feed(whole[: whole.rindex(b'"usage"')])
+    assert cut.usage is None
+    full = MessageUsageScanner()
+    full.feed(whole)
+    assert full.usage is not None and (full.usage.prompt_tokens, full.usage.output_tokens) == (7, 2)
 
 
 async def test_a_json_answer_without_usage_or_cut_is_not_metered() -> None:

@@ -16,7 +16,7 @@ from kvgate.responses_api import (
     ResponsesUsage,
     responses_usage,
 )
-from kvgate.responses_api.scan import JsonPathCapture
+from kvgate.json_capture import JsonPathCapture
 
 USAGE = {
     "input_tokens": 42,

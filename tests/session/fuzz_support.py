@@ -672,17 +672,6 @@ def anthropic_answers(draw: st.DrawFn, asked_stream: bool) -> Answer:
     return script.answer(status, draw(SSE_TYPES))
 
 
-# A kvgate bug this fuzz found (reported, not fixed here): the Messages JSON meter
-# (kvgate.anthropic.answers.MessageUsageScanner, _usage_near_end) takes the last
-# `"usage": {...}` anywhere in the body, a nested one included. An answer whose top-level
-# usage is missing or unreadable, or one cut before its usage (a client gone mid-body), is
-# billed a tool_use input's `{"usage": {"input_tokens": 0, "output_tokens": 0}}` instead of
-# the worst case. Until it is fixed, such a decoy goes only into answers whose own usage is
-# readable, and those are cut only before the decoy. Set True once the meter reads only the
-# top-level usage: the decoy then goes anywhere and the body is cut anywhere.
-NESTED_USAGE_IGNORED = False
-
-
 def _anthropic_message(draw: st.DrawFn, status: int, prompt: int, output: int) -> Answer:
     content = draw(
         st.lists(
@@ -711,9 +700,9 @@ def _anthropic_message(draw: st.DrawFn, status: int, prompt: int, output: int) -
         if sometimes(draw, 4):
             usage["output_tokens"] = draw(st.sampled_from(["5", -1, None]))
             reported = None
-    decoy = sometimes(draw, 25) and (NESTED_USAGE_IGNORED or reported is not None)
-    if decoy:
-        # A tool's input holding a usage object: only the answer's own usage counts.
+    if sometimes(draw, 25):
+        # A tool's input holding a usage object (a client can steer a tool's input): only
+        # the answer's own top-level usage counts, wherever the body is cut.
         numbers = {"input_tokens": 0, "output_tokens": 0}
         tool = {"type": "tool_use", "id": "toolu_2", "name": "f", "input": {"usage": numbers}}
         document["content"] = [*content, tool]
@@ -727,8 +716,6 @@ def _anthropic_message(draw: st.DrawFn, status: int, prompt: int, output: int) -
         body,
         json_usage=None if reported is None else (reported, output),
         usage_end=usage_end,
-        # The decoy's key is the body's first "usage" (the other tool input's is escaped).
-        cut_before=body.index(b'"usage"') if decoy and not NESTED_USAGE_IGNORED else -1,
     )
 
 

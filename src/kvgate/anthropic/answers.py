@@ -3,9 +3,9 @@
 A non-streamed answer is one ``message`` object whose top-level ``usage`` holds
 ``input_tokens`` and ``output_tokens`` (vLLM adds ``cache_read_input_tokens`` and
 ``cache_creation_input_tokens`` when it reports prompt-token details; Anthropic's total
-prompt is their sum). vLLM and Anthropic write ``usage`` after the content, so a body
-larger than ``hold_bytes`` is not kept: only its last ``tail_bytes`` are, and the usage is
-read from them (:class:`MessageUsageScanner`).
+prompt is their sum). The body is walked as it passes and only the root object's ``usage``
+is kept (:class:`MessageUsageScanner`): a ``tool_use`` block's ``input`` is a JSON object,
+and a ``"usage"`` a client steers into it is never read as the answer's.
 
 A stream is a sequence of named SSE events (:class:`MessagesStreamReader`):
 ``message_start`` carries the prompt's usage (``message.usage.input_tokens``),
@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvgate.json_capture import JsonPathCapture
+
 __all__ = [
     "DEFAULT_MAX_EVENT_BYTES",
     "DEFAULT_MAX_TEXT_CHARS",
@@ -42,18 +44,11 @@ __all__ = [
 DEFAULT_MAX_EVENT_BYTES: Final = 64 * 1024
 #: Generated text retained for counting a stream without usage (characters).
 DEFAULT_MAX_TEXT_CHARS: Final = 1024 * 1024
-#: A non-streamed body up to this size is held whole and read at its end.
-DEFAULT_HOLD_BYTES: Final = 64 * 1024
-#: Of a larger body only this tail is kept: the usage object is written last.
-DEFAULT_TAIL_BYTES: Final = 16 * 1024
 
 _BOUNDARY: Final = re.compile(rb"\r?\n\r?\n")
 # A boundary is at most 4 bytes: after a failed search one can only begin in the last 3.
 _OVERLAP: Final = 3
-_USAGE_KEY: Final = b'"usage"'
-_WS: Final = b" \t\r\n"
-_TRIES: Final = 4
-_DECODER: Final = json.JSONDecoder()
+_USAGE_PATH: Final = ("usage",)
 # The event a skipped large event was: its "event:" line, or the "type" its data starts with.
 _EVENT_NAME: Final = re.compile(rb"^event:[ ]?([A-Za-z_]+)", re.M)
 _DATA_TYPE: Final = re.compile(rb'"type"\s*:\s*"([A-Za-z_]+)"')
@@ -101,72 +96,28 @@ def message_usage(usage: object) -> MessageUsage | None:
     return MessageUsage(prompt, output, read, created)
 
 
-def _usage_near_end(body: bytes | bytearray) -> MessageUsage | None:
-    """The last well-formed ``"usage": {...}`` in ``body`` (a key: a string value is never
-    followed by a colon, and quotes inside strings are escaped)."""
-    end = len(body)
-    for _ in range(_TRIES):
-        idx = body.rfind(_USAGE_KEY, 0, end)
-        if idx < 0:
-            return None
-        end = idx
-        j = idx + len(_USAGE_KEY)
-        while j < len(body) and body[j] in _WS:
-            j += 1
-        if j >= len(body) or body[j] != 0x3A:  # ':'
-            continue
-        j += 1
-        while j < len(body) and body[j] in _WS:
-            j += 1
-        if j >= len(body) or body[j] != 0x7B:  # '{'
-            continue
-        try:
-            obj, _ = _DECODER.raw_decode(bytes(body[j:]).decode("utf-8", "replace"))
-        except (ValueError, RecursionError):
-            continue
-        usage = message_usage(obj)
-        if usage is not None:
-            return usage
-    return None
-
-
 class MessageUsageScanner:
-    """The top-level usage of a non-streamed ``message`` body fed in chunks: a body up to
-    ``hold_bytes`` is held and decoded at the end; of a larger one only the last
-    ``tail_bytes`` are kept, where the usage is."""
+    """The top-level usage of a non-streamed ``message`` body fed in chunks, whatever its
+    size. Only the root object's own ``usage`` is taken: a tool's ``input`` is a JSON object
+    the client can steer, and a ``"usage"`` inside it must never be billed."""
 
-    __slots__ = ("_held", "_hold", "_tail", "bytes_seen")
+    __slots__ = ("_scan", "bytes_seen")
 
-    def __init__(
-        self, *, hold_bytes: int = DEFAULT_HOLD_BYTES, tail_bytes: int = DEFAULT_TAIL_BYTES
-    ) -> None:
-        self._hold = hold_bytes
-        self._tail = tail_bytes
-        self._held = bytearray()
+    def __init__(self) -> None:
+        self._scan = JsonPathCapture((_USAGE_PATH,))
         self.bytes_seen = 0
 
     def feed(self, chunk: bytes) -> None:
         self.bytes_seen += len(chunk)
-        held = self._held
-        held += chunk
-        if self.bytes_seen > self._hold and len(held) > self._tail:
-            del held[: len(held) - self._tail]
+        self._scan.feed(chunk)
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._held)
+        return self._scan.buffered_bytes
 
     @property
     def usage(self) -> MessageUsage | None:
-        held = self._held
-        found = _usage_near_end(held)
-        if found is not None or self.bytes_seen > self._hold:
-            return found
-        try:
-            obj = json.loads(held)
-        except (ValueError, RecursionError):
-            return None
-        return message_usage(obj.get("usage")) if type(obj) is dict else None
+        return message_usage(self._scan.values.get(_USAGE_PATH))
 
 
 class MessagesStreamReader:

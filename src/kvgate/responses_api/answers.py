@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .scan import JsonPathCapture, Path
+from kvgate.json_capture import JsonPathCapture, Path
 
 __all__ = [
     "DEFAULT_MAX_TEXT_CHARS",

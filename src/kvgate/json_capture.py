@@ -1,10 +1,11 @@
 """Reading chosen values out of one JSON object fed in pieces, in bounded memory.
 
-A Responses answer is one large object (``output`` holds the whole generated text, a
-stream's last event repeats it) of which the meter wants a few small values: the
-top-level ``usage`` of a response body, an event's ``type``, ``delta`` and
-``response.usage``. :class:`JsonPathCapture` is given the key paths it wants; it walks the
-objects on those paths key by key, skips every other value by regex without keeping it
+An answer can be one large object (a Responses ``output`` holds the whole generated text,
+a stream's last event repeats it; an Anthropic ``message`` holds tool inputs as JSON
+objects a client can steer) of which a meter wants a few small values: the top-level
+``usage`` of a body, an event's ``type``, ``delta`` and ``response.usage``.
+:class:`JsonPathCapture` is given the key paths it wants; it walks the objects on those
+paths key by key, skips every other value by regex without keeping it
 (strings, escapes and nesting are tracked, so a ``"usage"`` inside a string or another
 object is never taken), and keeps the raw bytes of a wanted value up to
 ``max_capture_bytes``, decoding it once it ends. Lenient: it is a meter, not a validator
