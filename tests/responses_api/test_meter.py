@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvgate.json_capture import JsonPathCapture
 from kvgate.policy import ActualUsage
 from kvgate.responses_api import (
     ResponseBodyScanner,
@@ -16,7 +17,6 @@ from kvgate.responses_api import (
     ResponsesUsage,
     responses_usage,
 )
-from kvgate.json_capture import JsonPathCapture
 
 USAGE = {
     "input_tokens": 42,
