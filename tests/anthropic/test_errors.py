@@ -188,11 +188,3 @@ def test_the_official_sdk_raises_the_matching_exception(
         )
     assert caught.value.status_code == error.status
     assert caught.value.body == json.loads(error.to_body())
-
-
-def test_the_rate_limit_headers_can_be_left_out_for_an_envoy_that_refuses_them() -> None:
-    quiet = AnthropicErrors(clock=lambda: NOW, rate_limit_headers=False)
-    assert quiet.rate_limit_headers(VIEW) == {}
-    rejection = Rejection(Reason.RPM_EXCEEDED, "slow", retry_after_s=2, rate_limits=VIEW)
-    answer = rejection_answer(rejection, quiet)
-    assert answer.headers == {"retry-after": "2", "retry-after-ms": "2000"}

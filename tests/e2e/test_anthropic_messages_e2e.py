@@ -12,6 +12,7 @@ flight.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anthropic
@@ -80,7 +81,7 @@ def stack() -> Iterator[Stack]:
     with Stack(
         tenants=[
             {"name": DEMO_TENANT, "api_key": "sk-kvgate-demo"},
-            {"name": LIMITED, "api_key": "sk-one-a-minute", "limits": {"rpm": 1}},
+            {"name": LIMITED, "api_key": "sk-one-a-minute", "limits": {"rpm": 1, "tpm": 50_000}},
             {"name": COUNTING, "api_key": "sk-counts-once", "limits": {"rpm": 1}},
         ]
     ) as running:
@@ -276,6 +277,15 @@ def test_a_tenant_over_its_rpm_gets_anthropics_rate_limit_error(stack: Stack) ->
             client.messages.create(
                 model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Again."}]
             )
+    # Anthropic's rate-limit headers pass Envoy's mutation rules on the answer and the refusal.
+    admitted = raw.headers
+    assert admitted["anthropic-ratelimit-requests-limit"] == "1"
+    assert admitted["anthropic-ratelimit-requests-remaining"] == "0"
+    assert admitted["anthropic-ratelimit-tokens-limit"] == "50000"
+    assert 0 < int(admitted["anthropic-ratelimit-tokens-remaining"]) < 50_000
+    for name in ("requests", "tokens"):
+        reset = admitted[f"anthropic-ratelimit-{name}-reset"]
+        assert datetime.fromisoformat(reset) > datetime.now(UTC) - timedelta(seconds=5), reset
     error = caught.value
     assert error.status_code == 429
     assert error.body == {  # type: ignore[comparison-overlap]
@@ -283,6 +293,8 @@ def test_a_tenant_over_its_rpm_gets_anthropics_rate_limit_error(stack: Stack) ->
         "error": {"type": "rate_limit_error", "message": error.body["error"]["message"]},  # type: ignore[index]
     }
     assert int(error.response.headers["retry-after"]) >= 1
+    assert error.response.headers["anthropic-ratelimit-requests-remaining"] == "0"
+    assert error.response.headers["anthropic-ratelimit-requests-limit"] == "1"
     assert wait_until(lambda: in_flight(stack), lambda v: v == (0, 0), timeout=TIMEOUT_S) == (0, 0)
 
 

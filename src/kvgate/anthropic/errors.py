@@ -135,15 +135,10 @@ class AnthropicErrors:
     """kvgate's refusals in Anthropic's shape (``kvgate.lifecycle.protocol.ErrorVocabulary``).
 
     ``clock`` gives the wall-clock time (seconds since the epoch) the rate-limit resets
-    are written from. ``rate_limit_headers=False`` leaves the ``anthropic-ratelimit-*``
-    headers out (refusals keep ``retry-after``): for an Envoy whose ext_proc
-    ``mutation_rules`` do not allow those names, which would fail the answer instead."""
+    are written from."""
 
-    def __init__(
-        self, clock: Callable[[], float] = time.time, *, rate_limit_headers: bool = True
-    ) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._rate_limit_headers = rate_limit_headers
 
     # ------------------------------------------------------------------ 4xx
 
@@ -302,7 +297,7 @@ class AnthropicErrors:
 
     def rate_limit_headers(self, view: RateLimitView | None) -> dict[str, str]:
         """Anthropic's ``anthropic-ratelimit-*`` headers for the tenant's limits."""
-        if view is None or not self._rate_limit_headers:
+        if view is None:
             return {}
         now = self._clock()
         headers: dict[str, str] = {}

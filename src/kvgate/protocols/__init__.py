@@ -8,31 +8,43 @@ with a prompt's count is a ``PromptCountApi`` in ``PROMPT_COUNT_APIS``.
 
 from __future__ import annotations
 
-from kvgate.anthropic import AnthropicErrors
+from kvgate.anthropic import errors as anthropic_errors
 from kvgate.lifecycle.protocol import ApiProtocol, PromptCountApi
 from kvgate.openai import CHAT_PATH, COMPLETIONS_PATH
 from kvgate.openai import errors as openai_errors
+from kvgate.pooling import EMBEDDINGS_PATH, POOLING_PATH
 from kvgate.protocols.anthropic_messages import AnthropicCountTokens, AnthropicMessages
 from kvgate.protocols.openai_generation import OpenAIGeneration
+from kvgate.protocols.openai_pooling import OpenAIPooling
 from kvgate.protocols.openai_responses import OpenAIResponses
 
 CHAT_COMPLETIONS = OpenAIGeneration("chat_completions", CHAT_PATH)
 COMPLETIONS = OpenAIGeneration("completions", COMPLETIONS_PATH)
-# Anthropic's Messages API, as vLLM serves it (converted into a chat request). Without its
-# anthropic-ratelimit-* headers for now: the Envoy configurations' ext_proc mutation_rules
-# (envoy/*.yaml, deploy/) do not allow those names yet, and Envoy would fail an answer that
-# sets them (503) and drop every header of a refusal that does (retry-after too).
-_ANTHROPIC_ERRORS = AnthropicErrors(rate_limit_headers=False)
-ANTHROPIC_MESSAGES = AnthropicMessages(errors=_ANTHROPIC_ERRORS)
+# Anthropic's Messages API, as vLLM serves it (converted into a chat request), with its
+# anthropic-ratelimit-* headers: every shipped Envoy configuration's ext_proc mutation_rules
+# allow them (envoy/*.yaml, deploy/; Envoy fails an answer that sets a header outside them).
+ANTHROPIC_MESSAGES = AnthropicMessages(errors=anthropic_errors.ERRORS)
 # Anthropic's messages.count_tokens, answered by kvgate from its own count.
-ANTHROPIC_COUNT_TOKENS = AnthropicCountTokens(errors=_ANTHROPIC_ERRORS)
+ANTHROPIC_COUNT_TOKENS = AnthropicCountTokens(errors=anthropic_errors.ERRORS)
 # OpenAI's Responses API, as vLLM serves it for chat-template models (rendered as a chat
 # request); stateful requests are refused.
 OPENAI_RESPONSES = OpenAIResponses()
+# vLLM's pooling APIs: OpenAI's embeddings and vLLM's /pooling (prompts encoded, nothing
+# generated: reserved and charged for their input tokens only).
+EMBEDDINGS = OpenAIPooling("embeddings", EMBEDDINGS_PATH)
+POOLING = OpenAIPooling("pooling", POOLING_PATH)
 
 # The metered APIs by request path (query string aside).
 METERED_APIS: dict[str, ApiProtocol] = {
-    api.path: api for api in (CHAT_COMPLETIONS, COMPLETIONS, ANTHROPIC_MESSAGES, OPENAI_RESPONSES)
+    api.path: api
+    for api in (
+        CHAT_COMPLETIONS,
+        COMPLETIONS,
+        ANTHROPIC_MESSAGES,
+        OPENAI_RESPONSES,
+        EMBEDDINGS,
+        POOLING,
+    )
 }
 
 # The endpoints kvgate answers itself with a prompt's exact count, by request path.
@@ -48,7 +60,9 @@ __all__ = [
     "CHAT_COMPLETIONS",
     "COMPLETIONS",
     "DEFAULT_ERRORS",
+    "EMBEDDINGS",
     "METERED_APIS",
     "OPENAI_RESPONSES",
+    "POOLING",
     "PROMPT_COUNT_APIS",
 ]
