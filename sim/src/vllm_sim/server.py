@@ -332,6 +332,7 @@ class VllmSim:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         # vLLM's Anthropic Messages API (imported here: the module builds on this one).
         from vllm_sim.anthropic import AnthropicRoutes
 
@@ -634,6 +635,21 @@ class VllmSim:
                 "token_strs": token_strs,
             }
         )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``, decoded as
+        its renderer decodes a prompt (special tokens kept). No API key (vLLM guards only
+        /v1 paths)."""
+        try:
+            body = parse_json_body(await request.read(), request.headers.get("Content-Type", ""))
+            tokens = _detokenize_tokens(body)
+            model = body.get("model")
+            if model and model != self.config.served_model_name:
+                raise RequestError.not_found(f"The model `{model}` does not exist.")
+            text = await self._off_loop(self.tokenizer.detokenize, tokens)
+        except RequestError as err:
+            return _error_response(err)
+        return _json_response({"prompt": text})
 
     def _token_strs(self, ids: list[int]) -> list[str]:
         """``tokenizer.convert_ids_to_tokens``: vocabulary forms, not decoded text."""
@@ -1149,6 +1165,71 @@ class _Feed:
         if i is not None:
             self._owed.append(choice)
         return choice, i
+
+
+def _detokenize_tokens(body: dict[str, Any]) -> list[int]:
+    """``DetokenizeRequest.tokens``: a list of integers 0 <= id < 2**63 (pydantic's errors
+    for each item that is not)."""
+    errors: list[Any] = []
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        errors.append(
+            {
+                "type": "string_type",
+                "loc": ("body", "model"),
+                "msg": "Input should be a valid string",
+                "input": model,
+            }
+        )
+    tokens = body.get("tokens")
+    if "tokens" not in body:
+        errors.append(
+            {"type": "missing", "loc": ("body", "tokens"), "msg": "Field required", "input": body}
+        )
+    elif not isinstance(tokens, list):
+        errors.append(
+            {
+                "type": "list_type",
+                "loc": ("body", "tokens"),
+                "msg": "Input should be a valid list",
+                "input": tokens,
+            }
+        )
+    else:
+        for i, token in enumerate(tokens):
+            loc = ("body", "tokens", i)
+            if isinstance(token, bool) or not isinstance(token, int):
+                errors.append(
+                    {
+                        "type": "int_type",
+                        "loc": loc,
+                        "msg": "Input should be a valid integer",
+                        "input": token,
+                    }
+                )
+            elif token < 0:
+                errors.append(
+                    {
+                        "type": "greater_than_equal",
+                        "loc": loc,
+                        "msg": "Input should be greater than or equal to 0",
+                        "input": token,
+                        "ctx": {"ge": 0},
+                    }
+                )
+            elif token > 2**63 - 1:
+                errors.append(
+                    {
+                        "type": "less_than_equal",
+                        "loc": loc,
+                        "msg": f"Input should be less than or equal to {2**63 - 1}",
+                        "input": token,
+                        "ctx": {"le": 2**63 - 1},
+                    }
+                )
+    if errors:
+        raise RequestError.validation(errors)
+    return list(tokens)
 
 
 def _tokenize_request(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -624,6 +624,11 @@ class SimTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """vLLM's /detokenize: the renderer's ``tokenizer.decode(ids)``, special tokens kept
+        (ids outside the vocabulary are skipped, as ``tokenizers`` does)."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
     def decode_token(self, token_id: int) -> str:
         """One token as vLLM's logprobs show it: ``decode([id])``, special tokens kept."""
         return self._tok.decode([token_id])

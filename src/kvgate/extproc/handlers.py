@@ -36,7 +36,7 @@ from kvgate.extproc.route_settings import RouteSettings, RouteSettingsError
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Ticket
 from kvgate.lifecycle.answer_sources import Hit
-from kvgate.lifecycle.exchange import Exchange, Forward, PromptCount
+from kvgate.lifecycle.exchange import Exchange, Forward, PromptCount, UnmeteredForward
 from kvgate.lifecycle.protocol import ErrorAnswer, Outcome, Refused
 from kvgate.openai import ParsedRequest
 from kvgate.policy import ActualUsage, Reason, SettleCause, pico_to_usd
@@ -203,6 +203,55 @@ class CountingHandler(Handler):
         )
 
 
+def _route_headers(
+    facts: StreamFacts, model: str, cluster: str, endpoint: str | None
+) -> dict[str, str]:
+    """The headers Envoy routes a forwarded request on (clients' x-kvgate-* never get this
+    far), and the backend's own key where it has one."""
+    headers = {"x-kvgate-model": model, "x-kvgate-backend": cluster}
+    if endpoint is not None:
+        # The pool's ORIGINAL_DST cluster connects to exactly this endpoint (for a metered
+        # request, the one holding its reservation).
+        headers[DESTINATION_HEADER] = endpoint
+    upstream_key = facts.snapshot.upstream_keys.get(cluster)
+    if upstream_key is not None:
+        headers["authorization"] = f"Bearer {upstream_key}"
+    return headers
+
+
+class UnmeteredHandler(Handler):
+    """A request that generates nothing (vLLM's /tokenize), forwarded on its body after the
+    tenant's RPM slot; nothing to meter or settle."""
+
+    def __init__(self, facts: StreamFacts, forward: UnmeteredForward) -> None:
+        super().__init__(Phase.REQUEST_BODY)
+        self._facts = facts
+        self._forward = forward
+
+    async def on_request_body(self, http: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.phase is not Phase.REQUEST_BODY:
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        facts = self._facts
+        try:
+            destination = await self._forward.decide(http.body)
+        except Refused as refused:
+            self.phase = Phase.REJECTED
+            return facts.refusal(refused.answer, refused.label)
+        self.phase = Phase.PASSTHROUGH
+        name = self._forward.api.name
+        facts.services.metrics.requests.labels("passthrough", name).inc()
+        meta = facts.metadata(name)
+        meta["model"] = destination.model
+        meta["backend"] = destination.cluster
+        if destination.endpoint is not None:
+            meta["endpoint"] = destination.endpoint
+        return messages.continue_request_body(
+            _route_headers(facts, destination.model, destination.cluster, destination.endpoint),
+            new_body=None,
+            dynamic_metadata=meta,
+        )
+
+
 class ObservingHandler(Handler):
     """The answer of an admitted request, metered to its one settlement."""
 
@@ -347,16 +396,8 @@ class MeteredHandler(ObservingHandler):
             self._exchange.hand_off()
             self.phase = Phase.HANDED_OFF
             facts.services.handoffs.register(ticket, facts.services.settle_unclaimed)
-        route_headers = {"x-kvgate-model": ticket.route.name, "x-kvgate-backend": ticket.cluster}
-        if ticket.endpoint is not None:
-            # The pool's ORIGINAL_DST cluster connects to exactly this endpoint, the one
-            # holding the reservation (clients' x-kvgate-* never get this far).
-            route_headers[DESTINATION_HEADER] = ticket.endpoint
-        upstream_key = facts.snapshot.upstream_keys.get(ticket.cluster)
-        if upstream_key is not None:
-            route_headers["authorization"] = f"Bearer {upstream_key}"
         return messages.continue_request_body(
-            route_headers,
+            _route_headers(facts, ticket.route.name, ticket.cluster, ticket.endpoint),
             new_body=forward.body,
             dynamic_metadata=facts.metadata("admitted", self._exchange.request, ticket),
         )

@@ -31,6 +31,7 @@ from kvgate.extproc.handlers import (
     ObservingHandler,
     Phase,
     StreamFacts,
+    UnmeteredHandler,
 )
 from kvgate.extproc.handoff import METADATA_KEY
 from kvgate.extproc.priority_header import parse_priority_class
@@ -42,11 +43,11 @@ from kvgate.extproc.route_settings import (
 )
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle import Ticket
-from kvgate.lifecycle.exchange import Exchange, PromptCount, RouteScope
+from kvgate.lifecycle.exchange import Exchange, PromptCount, RouteScope, UnmeteredForward
 from kvgate.lifecycle.protocol import ErrorAnswer, ErrorVocabulary, Outcome
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.policy import Reason, shadowed
-from kvgate.protocols import DEFAULT_ERRORS, METERED_APIS, PROMPT_COUNT_APIS
+from kvgate.protocols import DEFAULT_ERRORS, METERED_APIS, PROMPT_COUNT_APIS, UNMETERED_APIS
 from kvgate.store import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -250,7 +251,8 @@ class StreamSession:
         self._path = _path_only(headers.get(":path", ""))
         api = METERED_APIS.get(self._path)
         counting = PROMPT_COUNT_APIS.get(self._path)
-        known = api or counting
+        unmetered = UNMETERED_APIS.get(self._path)
+        known = api or counting or unmetered
         errors = self._errors = known.errors if known is not None else DEFAULT_ERRORS
         # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST, and vLLM says 405.
         method = headers.get(":method", "")
@@ -334,6 +336,19 @@ class StreamSession:
             )
         settings = route if isinstance(route, RouteSettings) else NO_ROUTE_SETTINGS
         scope = RouteScope(backend=settings.backend, models=settings.models)
+        if unmetered is not None:
+            forward = UnmeteredForward(
+                self._svc,
+                snapshot,
+                unmetered,
+                policy,
+                admission_id=_admission_id(facts.request_id),
+                route=scope,
+            )
+            self._handler = UnmeteredHandler(facts, forward)
+            return messages.continue_request_headers(
+                {"x-kvgate-tenant": tenant}, [*forged, *credentials]
+            )
         if counting is not None:
             count = PromptCount(
                 self._svc,

@@ -221,9 +221,7 @@ class Admission:
                     return fallen
         raise Rejected(rejection_of(decision))
 
-    async def take_request_slot(
-        self, request: ParsedRequest, tenant: TenantPolicy, admission_id: str
-    ) -> bool:
+    async def take_request_slot(self, model: str, tenant: TenantPolicy, admission_id: str) -> bool:
         """Take the request's RPM slot before any answer source looks at it: a cache hit,
         a replay or a duplicate's wait is a request the tenant made. O(1): nothing of the
         body is read. Rejected when over RPM; False when the store could not answer (the
@@ -231,7 +229,7 @@ class Admission:
         lower_bound = AdmissionRequest(
             request_id=admission_id,
             tenant=tenant.name,
-            model=request.model,
+            model=model,
             backend=ANSWER_LEDGER,
             prompt_tokens=0,
             max_new_tokens=0,
@@ -256,7 +254,7 @@ class Admission:
         route = self._snapshot.models.get(request.model)
         if route is None:
             raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, request.model, param="model"))
-        await self.take_request_slot(request, tenant, admission_id)
+        await self.take_request_slot(request.model, tenant, admission_id)
         counts = await self._count(request, route.name, tenant.name)
         if counts is None:
             # The model's engine counts its prompts and could not: no count to give.
@@ -268,6 +266,42 @@ class Admission:
                 )
             )
         return sum(counts)
+
+    async def admit_unreserved(
+        self, model: str, tenant: TenantPolicy, admission_id: str, backend: str | None = None
+    ) -> tuple[ModelRoute, str | None]:
+        """Admit a request that generates nothing and holds no KV (vLLM's /tokenize): the
+        model must exist and the tenant's RPM slot is taken; nothing is reserved or charged.
+        Returns the model's route (on `backend` when the request's route names one) and, for
+        a pool, the endpoint to send it to."""
+        route = self._snapshot.models.get(model)
+        if route is None:
+            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, model, param="model"))
+        if backend is not None and backend != route.backend:
+            route = replace(route, backend=backend)
+        if not await self.take_request_slot(model, tenant, admission_id):
+            # No later step would take the slot: refused, as a reserve would be (503).
+            raise Rejected(
+                Rejection(
+                    Reason.STORE_UNAVAILABLE,
+                    "kvgate cannot reach its shared state store to admit this request. "
+                    "Please retry.",
+                    retry_after_s=1,
+                )
+            )
+        scheduler = self._scheduler
+        if scheduler is None or not scheduler.is_pool(route.backend):
+            return route, None
+        address = scheduler.any_endpoint(route.backend)
+        if address is None:
+            raise Rejected(
+                Rejection(
+                    Reason.NO_HEALTHY_ENDPOINT,
+                    f"No endpoint of {route.backend} can take requests now. Please retry.",
+                    retry_after_s=1,
+                )
+            )
+        return route, address
 
     # ------------------------------------------------------------------ steps
 

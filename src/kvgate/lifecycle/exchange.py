@@ -33,6 +33,7 @@ from kvgate.lifecycle.protocol import (
     Outcome,
     PromptCountApi,
     Refused,
+    UnmeteredApi,
     rejection_answer,
 )
 from kvgate.lifecycle.response_cache import CACHE_HEADER
@@ -224,7 +225,7 @@ class Exchange:
             # taken first, in O(1), so a tenant over its limit gets its 429 before any of
             # the body is digested, looked up, embedded or waited on.
             request_slot_taken = await admission.take_request_slot(
-                request, self.tenant, self._admission_id
+                request.model, self.tenant, self._admission_id
             )
             # The client's own body: an agent API's canonical request is a converted one.
             digest = await off_loop(
@@ -418,6 +419,60 @@ class PromptCount:
             )
         admission = self._svc.admission(self._snapshot)
         return self.api.answer(await admission.count_prompt(request, tenant, self._admission_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where a request that holds no reservation goes: its model's backend (an Envoy
+    cluster) and, for a pool, one endpoint of it."""
+
+    model: str
+    cluster: str
+    endpoint: str | None
+
+
+class UnmeteredForward:
+    """A request that generates nothing (``UnmeteredApi``): its body checked, the tenant's
+    RPM slot taken, sent to its model's backend; nothing reserved, nothing charged."""
+
+    def __init__(
+        self,
+        services: ExchangeServices,
+        snapshot: RuntimeSnapshot,
+        api: UnmeteredApi,
+        tenant: TenantPolicy,
+        *,
+        admission_id: str,
+        route: RouteScope = RouteScope(),
+    ) -> None:
+        self._svc = services
+        self._snapshot = snapshot
+        self.api = api
+        self.tenant = tenant
+        self._admission_id = admission_id
+        self._route = route
+
+    async def decide(self, body: bytes) -> Destination:
+        """Where the request goes; raises ``Refused`` only."""
+        timeout_s = self._snapshot.config.server.decision_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._decide(body)
+        except (ClientError, Rejected, TimeoutError) as error:
+            raise _refused(error, self.api.errors, timeout_s) from None
+
+    async def _decide(self, body: bytes) -> Destination:
+        tenant = self.tenant
+        model = await off_loop(self._svc, tenant.name, self.api.model, body, len(body))
+        if not self._route.allows_model(model):
+            raise Refused(
+                self.api.errors.model_not_found(model), Outcome.MODEL_NOT_ALLOWED_ON_ROUTE
+            )
+        admission = self._svc.admission(self._snapshot)
+        route, endpoint = await admission.admit_unreserved(
+            model, tenant, self._admission_id, self._route.backend
+        )
+        return Destination(model=route.name, cluster=route.backend, endpoint=endpoint)
 
 
 async def off_loop(

@@ -8,8 +8,9 @@ meters its answer's grammar, and names its ``ErrorVocabulary``: every refusal in
 own shape. It also says what the answer layer may do for it: which answer sources apply
 (``answer_sources``), the body they key and compare (``client_body``), and when an answer
 is complete enough to keep (``answer_defect``, its own grammar's rule).
-``rejection_answer`` is the one mapping from a refusal's reason to a status and an error
-body; the exchange and the Envoy adapter never name an API.
+An endpoint that generates nothing is an ``UnmeteredApi``: forwarded after the tenant's key
+and RPM slot. ``rejection_answer`` is the one mapping from a refusal's reason to a status
+and an error body; the exchange and the Envoy adapter never name an API.
 """
 
 from __future__ import annotations
@@ -229,6 +230,24 @@ class PromptCountApi(abc.ABC):
     @abc.abstractmethod
     def answer(self, prompt_tokens: int) -> bytes:
         """The JSON body that answers with the count."""
+
+
+class UnmeteredApi(abc.ABC):
+    """An endpoint that generates nothing and holds no KV (vLLM's ``/tokenize`` and
+    ``/detokenize``): forwarded to the model's backend after the tenant's key and the
+    tenant's RPM slot, with no reservation and no charge. Its body is checked first, so
+    nothing the engine would do beyond tokenizing (a tenant's own chat template, media to
+    fetch) gets through unmetered."""
+
+    def __init__(self, name: str, path: str, errors: ErrorVocabulary) -> None:
+        self.name = name
+        self.path = path
+        self.errors = errors
+
+    @abc.abstractmethod
+    def model(self, body: bytes) -> str:
+        """The model a valid body names (its backend serves it); ``ClientError`` for a body
+        the endpoint cannot accept. Pure: a large body is read on a worker thread."""
 
 
 # Waiting cannot help these: a 400 naming the field, with no Retry-After.

@@ -415,6 +415,17 @@ class PoolScheduler:
                 queue.charge(ticket.tenant, 0, output_correction)
             queue.notify_capacity_freed()
 
+    def any_endpoint(self, pool: str) -> str | None:
+        """An endpoint's address for a request that holds no reservation (vLLM's
+        /tokenize): the pickable one with the shortest engine queue, else a degraded one
+        (its metrics are stale, not necessarily its engine), else None."""
+        view = self._pools.view(pool)
+        if view.pickable:
+            return min(view.pickable, key=lambda e: e.waiting or 0).address
+        if view.degraded:
+            return view.degraded[0].address
+        return None
+
     def pool_views(self) -> list[PoolView]:
         """Every pool's endpoints now (for the gauges, read when /metrics is scraped)."""
         return [self._pools.view(name) for name in self._settings]

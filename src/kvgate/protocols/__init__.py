@@ -9,7 +9,7 @@ with a prompt's count is a ``PromptCountApi`` in ``PROMPT_COUNT_APIS``.
 from __future__ import annotations
 
 from kvgate.anthropic import errors as anthropic_errors
-from kvgate.lifecycle.protocol import ApiProtocol, PromptCountApi
+from kvgate.lifecycle.protocol import ApiProtocol, PromptCountApi, UnmeteredApi
 from kvgate.openai import CHAT_PATH, COMPLETIONS_PATH
 from kvgate.openai import errors as openai_errors
 from kvgate.pooling import EMBEDDINGS_PATH, POOLING_PATH
@@ -17,6 +17,7 @@ from kvgate.protocols.anthropic_messages import AnthropicCountTokens, AnthropicM
 from kvgate.protocols.openai_generation import OpenAIGeneration
 from kvgate.protocols.openai_pooling import OpenAIPooling
 from kvgate.protocols.openai_responses import OpenAIResponses
+from kvgate.protocols.vllm_tokenization import DETOKENIZE, TOKENIZE
 
 CHAT_COMPLETIONS = OpenAIGeneration("chat_completions", CHAT_PATH)
 COMPLETIONS = OpenAIGeneration("completions", COMPLETIONS_PATH)
@@ -50,6 +51,10 @@ METERED_APIS: dict[str, ApiProtocol] = {
 # The endpoints kvgate answers itself with a prompt's exact count, by request path.
 PROMPT_COUNT_APIS: dict[str, PromptCountApi] = {api.path: api for api in (ANTHROPIC_COUNT_TOKENS,)}
 
+# The endpoints that generate nothing and hold no KV (vLLM's tokenizer endpoints): forwarded
+# after the tenant's key and RPM slot, with no reservation and no charge.
+UNMETERED_APIS: dict[str, UnmeteredApi] = {api.path: api for api in (TOKENIZE, DETOKENIZE)}
+
 # The shape of kvgate's answers on a path no metered API serves (/v1/models, unknown
 # paths, the usage report): OpenAI's, as every client of an OpenAI-compatible server reads.
 DEFAULT_ERRORS = openai_errors
@@ -65,4 +70,5 @@ __all__ = [
     "OPENAI_RESPONSES",
     "POOLING",
     "PROMPT_COUNT_APIS",
+    "UNMETERED_APIS",
 ]
