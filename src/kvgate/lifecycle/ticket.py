@@ -15,6 +15,20 @@ CLAMP_HEADER = "x-kvgate-max-tokens-clamped"
 
 
 @dataclass(frozen=True, slots=True)
+class BodyRewrite:
+    """What admission decided that the forwarded body must say instead of the client's."""
+
+    # The served model (a budget fallback's); None: the body's own.
+    model: str | None
+    # The reserved cap per sequence; None: the body already says exactly it.
+    max_new_tokens: int | None
+
+    @property
+    def needed(self) -> bool:
+        return self.model is not None or self.max_new_tokens is not None
+
+
+@dataclass(frozen=True, slots=True)
 class Ticket:
     """What admission decided for one request. Immutable: every later step reads it, none
     copies its fields. After a budget fallback `route` is the model that serves it."""
@@ -81,6 +95,15 @@ class Ticket:
             self.max_new_tokens
         )
         return not exact or request.conflicting_caps
+
+    @property
+    def body_rewrite(self) -> BodyRewrite:
+        """The model and cap each API writes into its forwarded body (the cap only where
+        the body does not already carry exactly it)."""
+        return BodyRewrite(
+            model=self.new_model,
+            max_new_tokens=self.max_new_tokens if self.body_needs_cap else None,
+        )
 
 
 def served_otherwise_headers(ticket: Ticket) -> dict[str, str]:

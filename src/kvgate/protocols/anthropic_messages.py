@@ -64,13 +64,15 @@ class AnthropicMessages(ApiProtocol):
         return False
 
     def forward_body(self, ticket: Ticket) -> bytes | None:
-        new_cap = ticket.max_new_tokens if ticket.body_needs_cap else None
-        if not (ticket.new_model or new_cap is not None):
+        rewrite = ticket.body_rewrite
+        if not rewrite.needed:
             return None
         request = ticket.request
         # Only a MessagesRequest reaches a ticket of this API (parse made it).
         assert isinstance(request, MessagesRequest)
-        return rewrite_messages_body(request.wire_body, model=ticket.new_model, max_tokens=new_cap)
+        return rewrite_messages_body(
+            request.wire_body, model=rewrite.model, max_tokens=rewrite.max_new_tokens
+        )
 
     def meter(self, ticket: Ticket) -> AnswerMeter:
         return MessagesMeter(stream_requested=ticket.request.stream)

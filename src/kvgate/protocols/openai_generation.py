@@ -35,13 +35,13 @@ class OpenAIGeneration(ApiProtocol):
         return request.stream and not request.include_usage_requested
 
     def forward_body(self, ticket: Ticket) -> bytes | None:
-        new_cap = ticket.max_new_tokens if ticket.body_needs_cap else None
-        if not (ticket.usage_injected or ticket.new_model or new_cap is not None):
+        rewrite = ticket.body_rewrite
+        if not (rewrite.needed or ticket.usage_injected):
             return None
         return rewrite_body(
             ticket.request.body,
-            model=ticket.new_model,
-            max_tokens=new_cap,
+            model=rewrite.model,
+            max_tokens=rewrite.max_new_tokens,
             force_usage=ticket.usage_injected,
         )
 

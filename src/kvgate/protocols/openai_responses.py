@@ -62,14 +62,14 @@ class OpenAIResponses(ApiProtocol):
         return False
 
     def forward_body(self, ticket: Ticket) -> bytes | None:
-        new_cap = ticket.max_new_tokens if ticket.body_needs_cap else None
-        if not (ticket.new_model or new_cap is not None):
+        rewrite = ticket.body_rewrite
+        if not rewrite.needed:
             return None
         request = ticket.request
         # Only a ResponsesRequest reaches a ticket of this API (parse made it).
         assert isinstance(request, ResponsesRequest)
         return rewrite_responses_body(
-            request.wire_body, model=ticket.new_model, max_output_tokens=new_cap
+            request.wire_body, model=rewrite.model, max_output_tokens=rewrite.max_new_tokens
         )
 
     def meter(self, ticket: Ticket) -> AnswerMeter:
