@@ -44,7 +44,7 @@ SETTLEMENT_SPAN = "kvgate.settlement"
 # kvgate speaks the OpenAI REST API: the semantic conventions' telemetry flavour "openai"
 # (gen_ai.provider.name replaced gen_ai.system in semantic conventions 1.37).
 PROVIDER_NAME = "openai"
-OPERATION_NAMES = {"chat": "chat", "completion": "text_completion"}
+OPERATION_NAMES = {"chat": "chat", "completion": "text_completion", "pooling": "embeddings"}
 # Admitted requests waiting for their settlement span (their trace parent and decision span).
 # Every admitted request is settled, so entries leave on their own; the bound only guards
 # against an unforeseen leak.

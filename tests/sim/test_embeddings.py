@@ -1,4 +1,4 @@
-"""POST /v1/embeddings: vLLM 0.10.2's wire format, backed by WordLlama (a real model)."""
+"""POST /v1/embeddings: vLLM 0.34's wire format, backed by WordLlama (a real model)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ async def test_answer_shape_byte_for_byte(eclient: TestClient) -> None:
         "prompt_tokens": 8,
         "total_tokens": 8,
         "completion_tokens": 0,
-        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
     # Starlette's JSONResponse: compact separators, raw UTF-8, float32 values as doubles.
     assert raw == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -121,7 +121,7 @@ async def test_token_id_inputs(eclient: TestClient) -> None:
 
 
 async def test_dimensions_are_matryoshka_prefixes(eclient: TestClient) -> None:
-    _, raw_mean, _ = await post(eclient, {"input": QUESTION, "normalize": False})
+    _, raw_mean, _ = await post(eclient, {"input": QUESTION, "use_activation": False})
     full = vectors(raw_mean)[0]
     assert abs(float(np.linalg.norm(full)) - 1.0) > 0.01  # the unnormalised mean
     for d in (64, 128, 256):
@@ -148,12 +148,17 @@ async def test_truncation(make_client: MakeClient) -> None:
     client = await make_client(embedding_model="wordllama", embedding_max_model_len=16)
     model = load_embedding_model("wordllama")
     ids = model.encode(QUESTION, add_special_tokens=True)  # <s> + 7
-    # Text keeps its first N tokens (the tokenizer's truncation), token ids their last N.
+    # Text and token ids keep their first N tokens (the tokenizer's truncation side), their
+    # last N with truncation_side "left".
     _, text, _ = await post(client, {"input": QUESTION, "truncate_prompt_tokens": 3})
     assert text["usage"]["prompt_tokens"] == 3
     _, first, _ = await post(client, {"input": ids[:3]})
     np.testing.assert_array_equal(vectors(text), vectors(first))
-    _, tail, _ = await post(client, {"input": ids, "truncate_prompt_tokens": 2})
+    _, head, _ = await post(client, {"input": ids, "truncate_prompt_tokens": 2})
+    _, first_two, _ = await post(client, {"input": ids[:2]})
+    np.testing.assert_array_equal(vectors(head), vectors(first_two))
+    left = {"input": ids, "truncate_prompt_tokens": 2, "truncation_side": "left"}
+    _, tail, _ = await post(client, left)
     _, last, _ = await post(client, {"input": ids[-2:]})
     np.testing.assert_array_equal(vectors(tail), vectors(last))
     _, none, _ = await post(client, {"input": QUESTION, "truncate_prompt_tokens": 0})
@@ -162,14 +167,28 @@ async def test_truncation(make_client: MakeClient) -> None:
     assert status == 200
     status, body, _ = await post(client, {"input": QUESTION, "truncate_prompt_tokens": 17})
     assert status == 400 and error_message(body) == (
-        "truncate_prompt_tokens value is greater than max_model_len. "
-        "Please, select a smaller truncation size."
+        "truncate_prompt_tokens=17 cannot be greater than max_model_len = 16. "
+        "Please request a smaller truncation size."
     )
     long = " ".join(["word"] * 20)
     status, body, _ = await post(client, {"input": long})
+    # Tokenized to at most max_model_len + 1 tokens: "at least" 17.
     assert status == 400 and error_message(body) == (
-        "This maximum context length is 16 tokens. However, your request has 21 input "
-        "tokens. Please reduce the length of the input messages."
+        "This model's maximum context length is 16 tokens. However, your prompt contains "
+        "at least 17 input tokens, which exceeds this limit even without any output tokens. "
+        "Please reduce the length of the input prompt."
+    )
+    status, body, _ = await post(client, {"input": [5] * 17})
+    assert status == 400 and error_message(body) == (
+        "This model's maximum context length is 16 tokens. However, your prompt contains "
+        "17 input tokens, which exceeds this limit even without any output tokens. "
+        "Please reduce the length of the input prompt."
+    )
+    status, _, _ = await post(client, {"input": [5] * 16})
+    assert status == 200  # a pooling prompt may fill the whole context
+    status, body, _ = await post(client, {"input": QUESTION, "normalize": True})
+    assert status == 400 and error_message(body) == (
+        "Parameter `normalize` was removed; use `use_activation` instead."
     )
 
 
@@ -210,7 +229,7 @@ async def test_refusals(eclient: TestClient, body: Any, status: int, message: st
         {"input": "x", "encoding_format": "binary"},
         {"input": "x", "dimensions": "many"},
         {"input": "x", "truncate_prompt_tokens": -2},
-        {"input": "x", "normalize": "yes please"},
+        {"input": "x", "use_activation": "yes please"},
     ],
 )
 async def test_validation_errors(eclient: TestClient, body: Any) -> None:

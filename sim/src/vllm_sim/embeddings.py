@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` as vLLM 0.10.2 serves it, backed by a real model: WordLlama.
+"""``POST /v1/embeddings`` as vLLM 0.34 serves it, backed by a real model: WordLlama.
 
 The model is WordLlama's ``l2_supercat`` (``pip install wordllama``, 0.4.x): a 32,000-token
 Llama-2 vocabulary with a 256-dimensional vector per token, shipped inside the wheel. Its
@@ -11,23 +11,26 @@ normalised after truncation, as vLLM's pooler head does. The files are read from
 installed package with ``tokenizers`` and ``safetensors`` (importing ``wordllama`` would
 configure the root logger, and its loader downloads the tokenizer from Hugging Face).
 
-What follows vLLM 0.10.2 (``serving_embedding.py``, ``serving_engine.py``, ``renderer.py``,
-``pooling_params.py``, the v1 input processor):
+What follows vLLM 0.34 (``entrypoints/pooling/embed``, ``pooling/base``,
+``renderers/params.py``, ``pooling_params.py``, the input processor):
 
 * request: ``input`` as a string, a list of strings, a list of token ids or a list of such
   lists; ``encoding_format`` ``float`` | ``base64`` (little-endian float32 bytes);
-  ``dimensions``; ``truncate_prompt_tokens`` (text keeps its first N tokens, token ids their
-  last N, ``-1`` = the model length, ``0`` = no prompts and an empty ``data``);
-  ``add_special_tokens`` (default true); ``normalize`` (default true); ``request_id``;
-  ``user`` and ``priority`` accepted. The chat form (``messages``) is refused as vLLM refuses
-  it for a model without a chat template;
-* answer: ``JSONResponse(EmbeddingResponse.model_dump())``:
-  ``{"id": "embd-<X-Request-Id | request_id | uuid>", "object": "list", "created",
-  "model", "data": [{"index", "object": "embedding", "embedding"}], "usage":
-  {"prompt_tokens", "total_tokens", "completion_tokens": 0, "prompt_tokens_details": null}}``;
+  ``dimensions``; ``truncate_prompt_tokens`` (each prompt keeps its first N tokens, its
+  last N with ``truncation_side: "left"``; ``-1`` = the model length, ``0`` = no prompts
+  and an empty ``data``); ``add_special_tokens`` (default true); ``use_activation``
+  (default: normalised); ``request_id``; ``user`` and ``priority`` accepted;
+  ``normalize`` refused (removed in 0.34). The chat form (``messages``) is refused as vLLM
+  refuses it for a model without a chat template;
+* answer: ``{"id": "embd-<X-Request-Id | request_id | uuid>", "object": "list",
+  "created", "model", "data": [{"index", "object": "embedding", "embedding"}], "usage":
+  {"prompt_tokens", "total_tokens", "completion_tokens": 0, "completion_tokens_details":
+  null}}``;
 * errors, in vLLM's order: body validation (400 ``Bad Request``), unknown model (404), then
-  400 ``BadRequestError``: ``truncate_prompt_tokens`` over the model length, tokenization and
-  length, ``dimensions``, and the engine's (empty prompt, token id out of vocabulary).
+  400 ``BadRequestError``: ``truncate_prompt_tokens`` over the model length, the text's
+  length in characters, tokenization and length (the whole context: a pooling prompt keeps
+  no room for output), ``dimensions``, and the engine's (empty prompt, token id out of
+  vocabulary).
 """
 
 from __future__ import annotations
@@ -65,6 +68,17 @@ NO_PROMPT = "please provide at least one prompt"
 EMPTY_PROMPT = "The decoder prompt cannot be empty"
 
 
+def pooling_usage(tokens: int) -> dict[str, Any]:
+    """vLLM 0.34's UsageInfo of a pooling answer (``get_pooling_usage``): no output, and
+    ``prompt_tokens_details`` left out when None."""
+    return {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "completion_tokens_details": None,
+    }
+
+
 class WordLlamaModel:
     """Token ids -> mean-pooled WordLlama vectors (float32)."""
 
@@ -83,6 +97,8 @@ class WordLlamaModel:
         )
         self.hidden_size = int(self.table.shape[1])
         self.vocab_size = int(self.table.shape[0])
+        # vLLM's max_chars_per_token: the longest entry of the vocabulary, added tokens too.
+        self.max_chars_per_token = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
         self.pooled = np.ones(self.vocab_size, dtype=bool)
         for token_id, token in self.tokenizer.get_added_tokens_decoder().items():
             if token.special and token_id < self.vocab_size:
@@ -124,6 +140,7 @@ class EmbeddingRequest:
     normalize: bool | None = None
     priority: int = 0
     request_id: str | None = None
+    truncation_side: str | None = None
 
 
 def _error(kind: str, loc: tuple[Any, ...], msg: str, value: Any, **ctx: Any) -> dict[str, Any]:
@@ -206,7 +223,23 @@ def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
                 ge=-1,
             )
         )
-    for key in ("add_special_tokens", "normalize"):
+    if "normalize" in body:
+        # vLLM 0.34 (reject_removed_pooling_parameters), before the model validates.
+        raise RequestError.bad_request(
+            "Parameter `normalize` was removed; use `use_activation` instead.", "normalize"
+        )
+    side = body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        errors.append(
+            _error(
+                "literal_error",
+                ("body", member, "truncation_side"),
+                "Input should be 'left' or 'right'",
+                side,
+                expected="'left' or 'right'",
+            )
+        )
+    for key in ("add_special_tokens", "use_activation"):
         value = body.get(key)
         if value is not None and not isinstance(value, bool):
             errors.append(
@@ -244,7 +277,9 @@ def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
         add_special_tokens=not chat
         if body.get("add_special_tokens") is None
         else body["add_special_tokens"],
-        normalize=body.get("normalize"),
+        # use_activation: the pooler's normalisation (None: the model's default, on).
+        normalize=body.get("use_activation"),
+        truncation_side=side,
         priority=opt_int("priority") or 0,
         request_id=body.get("request_id"),
     )
@@ -288,9 +323,11 @@ class EmbeddingServer:
             raise RequestError.not_found(f"The model `{req.model}` does not exist.")
         t = req.truncate_prompt_tokens
         if t is not None and t > self.max_model_len:
+            # vLLM 0.34's TokenizeParams (a pooling request keeps the whole context).
             raise RequestError.bad_request(
-                "truncate_prompt_tokens value is greater than max_model_len. "
-                "Please, select a smaller truncation size."
+                f"truncate_prompt_tokens={t} cannot be greater than max_model_len "
+                f"= {self.max_model_len}. Please request a smaller truncation size.",
+                "truncate_prompt_tokens",
             )
         if req.chat:
             raise RequestError.bad_request(NO_CHAT_TEMPLATE)
@@ -303,21 +340,38 @@ class EmbeddingServer:
         if t == 0:
             return []
         max_length = self.max_model_len
+        # vLLM 0.34 (renderers/params.py): text over max_model_len x the longest vocabulary
+        # entry is refused before tokenizing; untruncated text is tokenized to at most
+        # max_model_len + 1 tokens; truncation keeps the start (the tokenizer's
+        # truncation_side), or the end with truncation_side "left", for text and ids alike.
+        max_chars = max_length * self.model.max_chars_per_token
+        keep_end = req.truncation_side == "left"
         out: list[list[int]] = []
         for kind, content in _batch(req.input):
             if kind == "text":
+                if t is None and len(content) > max_chars:
+                    raise RequestError.bad_request(
+                        f"This model's maximum context length is {max_length} tokens. "
+                        f"However, your prompt contains {len(content)} characters (more than "
+                        f"{max_chars} characters, which is the upper bound for {max_length} "
+                        "input tokens). Please reduce the length of the input prompt.",
+                        "input_text",
+                    )
                 ids = self.model.encode(content, req.add_special_tokens)
-                if t is not None:
-                    ids = ids[:t]  # the HF tokenizer's truncation: keeps the start
+                if t is None:
+                    ids = ids[: max_length + 1]
             else:
                 ids = list(content)
-                if t is not None and t < len(ids):
-                    ids = ids[-t:]
+            if t is not None and t < len(ids):
+                ids = ids[-t:] if keep_end else ids[:t]
             if len(ids) > max_length:
+                some = "at least " if kind == "text" and len(ids) == max_length + 1 else ""
                 raise RequestError.bad_request(
-                    f"This maximum context length is {max_length} tokens. However, your "
-                    f"request has {len(ids)} input tokens. Please reduce the length of the "
-                    "input messages."
+                    f"This model's maximum context length is {max_length} tokens. However, "
+                    f"your prompt contains {some}{len(ids)} input tokens, which exceeds this "
+                    "limit even without any output tokens. Please reduce the length of the "
+                    "input prompt.",
+                    "input_tokens",
                 )
             out.append(ids)
         return out
@@ -379,12 +433,7 @@ class EmbeddingServer:
             "created": protocol.now(),
             "model": self.served_model_name,
             "data": data,
-            "usage": {
-                "prompt_tokens": tokens,
-                "total_tokens": tokens,
-                "completion_tokens": 0,
-                "prompt_tokens_details": None,
-            },
+            "usage": pooling_usage(tokens),
         }
 
     def stats(self) -> dict[str, Any]:

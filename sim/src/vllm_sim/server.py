@@ -331,6 +331,10 @@ class VllmSim:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        # vLLM's /pooling on the embedding model (imported here: it builds on this module).
+        from vllm_sim.pooling import PoolingRoutes
+
+        app.router.add_post("/pooling", PoolingRoutes(self).pooling)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         # vLLM's Anthropic Messages API (imported here: the module builds on this one).

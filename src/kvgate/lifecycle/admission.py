@@ -320,10 +320,11 @@ class Admission:
 
         Returns whether the request's RPM slot is taken now (its reserve must not take it)."""
         limits = self._precheck_limits(route.backend)
-        bound = self._prompt_lower_bound(request, route.name)
+        bound = self._prompt_lower_bound(request, route)
         if bound.longest >= _EARLY_REFUSAL_MIN_TOKENS and (
             bound.longest + (request.max_new_tokens or 0) > route.max_context
-            or bound.longest >= route.max_context
+            # A generation needs one token of room; a pooling prompt may fill the context.
+            or (request.generates and bound.longest >= route.max_context)
         ):
             # Cannot fit whatever its exact count: refuse before paying for tokenizing. (A
             # small prompt is counted instead: that is cheap, and the answer is exact.)
@@ -346,7 +347,7 @@ class Admission:
             model=route.name,
             backend=route.backend,
             prompt_tokens=bound.total,
-            max_new_tokens=request.max_new_tokens or 1,
+            max_new_tokens=(request.max_new_tokens or 1) if request.generates else 0,
             choices=request.num_sequences,
             request_slot_taken=request_slot_taken,
         ).priced(route.pricing)
@@ -369,13 +370,20 @@ class Admission:
         self._record_violations(tenant.name, early)
         raise Rejected(rejection_of(early))
 
-    def _prompt_lower_bound(self, request: ParsedRequest, model: str) -> PromptBound:
+    def _prompt_lower_bound(self, request: ParsedRequest, route: ModelRoute) -> PromptBound:
         """Prompt tokens the request needs at least, from its text length alone."""
         try:
-            per_token = self._tokenizers.counter(model).max_token_chars
+            per_token = self._tokenizers.counter(route.name).max_token_chars
         except KeyError:
             return PromptBound(total=1, longest=1, exact=False)
-        return prompt_lower_bound(request, per_token)
+        bound = prompt_lower_bound(request, per_token)
+        if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens < 0:
+            # -1: the engine truncates each prompt to the model's context.
+            longest = min(bound.longest, route.max_context)
+            return replace(
+                bound, longest=longest, total=min(bound.total, longest * request.num_prompts)
+            )
+        return bound
 
     async def _size(
         self,
@@ -384,6 +392,8 @@ class Admission:
         route: ModelRoute,
         requested_max_new: int | None,
     ) -> _Sized:
+        if not request.generates:
+            return await self._size_pooling(request, tenant, route)
         counts = await self._count(request, route.name, tenant.name)
         if counts is None:
             return self._size_at_context(request, route, requested_max_new)
@@ -413,6 +423,43 @@ class Admission:
                 )
             )
         return _Sized(route, total, plan.max_new_tokens)
+
+    async def _size_pooling(
+        self, request: ParsedRequest, tenant: TenantPolicy, route: ModelRoute
+    ) -> _Sized:
+        """A request that generates nothing (embeddings, pooling, scores): its prompts, each
+        truncated as the engine truncates it and checked against the whole context (no
+        room is kept for output), reserved with no output tokens."""
+        keep = request.truncate_prompt_tokens
+        if keep is not None and keep > route.max_context:
+            # vLLM refuses it before tokenizing (TokenizeParams).
+            raise Rejected(
+                Rejection(
+                    Reason.UNRENDERABLE_PROMPT,
+                    f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+                    f"{route.max_context}. Please request a smaller truncation size.",
+                    param="truncate_prompt_tokens",
+                )
+            )
+        if keep is not None and keep < 0:
+            keep = route.max_context
+        counts = await self._count(request, route.name, tenant.name)
+        if counts is None:
+            # No count: each prompt may fill the context.
+            return _Sized(route, route.max_context * max(1, request.num_prompts), 0)
+        if keep is not None:
+            counts = [min(count, keep) for count in counts]
+        longest = max(counts, default=0)
+        if longest > route.max_context:
+            raise Rejected(
+                Rejection(
+                    Reason.CONTEXT_LENGTH_EXCEEDED,
+                    "The input does not fit the model's context.",
+                    param=request.prompt_param,
+                    context=ContextOverflow(longest, None, route.max_context),
+                )
+            )
+        return _Sized(route, sum(counts), 0)
 
     def _size_at_context(
         self, request: ParsedRequest, route: ModelRoute, requested_max_new: int | None

@@ -48,7 +48,9 @@ __all__ = [
     "rewrite_body",
 ]
 
-RequestKind = Literal["chat", "completion"]
+# "pooling": embeddings, pooling, score and rerank: prompts the engine encodes and answers
+# with vectors or scores, generating nothing.
+RequestKind = Literal["chat", "completion", "pooling"]
 MaxTokensParam = Literal["max_tokens", "max_completion_tokens"]
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -117,10 +119,24 @@ class ParsedRequest:
     #: Both max_tokens and max_completion_tokens were sent, with different values (engines
     #: differ in which one they read, so both are rewritten to the reserved cap).
     conflicting_caps: bool = False
+    #: vLLM's truncate_prompt_tokens on a pooling request: the engine keeps at most this
+    #: many tokens of each prompt (-1: the model's context). None: no truncation.
+    truncate_prompt_tokens: int | None = None
+    #: The field a refusal about the prompt names, when the API's is neither chat's nor
+    #: completions' (a pooling API's "input", "documents"...).
+    prompt_field: str | None = None
+
+    @property
+    def generates(self) -> bool:
+        """Whether the engine generates tokens for it (a pooling request only encodes its
+        prompts: no output is reserved, capped or charged)."""
+        return self.kind != "pooling"
 
     @property
     def prompt_param(self) -> str:
         """The field a refusal about the prompt names (its length, its rendering)."""
+        if self.prompt_field is not None:
+            return self.prompt_field
         return "messages" if self.kind == "chat" else "prompt"
 
     def prompts(self) -> list[str | list[int]]:
@@ -796,6 +812,10 @@ def prompt_lower_bound(request: ParsedRequest, max_token_chars: int) -> PromptBo
             counts.append(len(prompt))
     if not counts:
         return PromptBound(total=1, longest=1)
+    keep = request.truncate_prompt_tokens
+    if keep is not None and keep >= 0:
+        # The engine truncates each prompt to `keep` tokens before it checks its length.
+        counts = [min(count, keep) for count in counts]
     return PromptBound(total=sum(counts), longest=max(counts), exact=exact)
 
 

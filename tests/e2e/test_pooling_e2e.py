@@ -1,0 +1,273 @@
+"""Embeddings through the real Envoy -> kvgate -> simulator stack, with the official
+`openai` SDK (`client.embeddings.create`) and plain HTTP for vLLM's /pooling.
+
+The simulator serves /v1/embeddings with a real embedding model (WordLlama, its Llama-2
+vocabulary); kvgate counts each input with the same tokenizer file
+(testbed/pooling_models.py). On every request the prompt kvgate counted and reserved
+equals the engine's usage.prompt_tokens, the ledger books exactly that (no output
+tokens), a tenant over its TPM gets OpenAI's 429 with x-ratelimit-* headers, hostile
+bodies get a 400 naming the field, and nothing stays in flight.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from testbed.harness import (
+    DEFAULT_BACKEND,
+    DEMO_TENANT,
+    Stack,
+    _demo_model_dir,
+    default_models,
+    kvgate_metrics,
+    kvgate_usage,
+    tenant_totals,
+    wait_until,
+)
+from testbed.pooling_models import (
+    WORDLLAMA_MAX_MODEL_LEN,
+    WORDLLAMA_MODEL_NAME,
+    wordllama_model_dir,
+)
+
+MODEL = WORDLLAMA_MODEL_NAME
+TPM_LIMITED = "small-tpm"
+TPM = 400
+TIMEOUT_S = 10.0
+# One dollar per million input tokens: a token costs 1e6 pico-dollars.
+PICO_PER_TOKEN = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    embedding_model = {
+        "name": MODEL,
+        "tokenizer": str(wordllama_model_dir()),
+        "max_context": WORDLLAMA_MAX_MODEL_LEN,
+        "default_max_new_tokens": 16,
+        "backend": DEFAULT_BACKEND,
+        # Only an input price: pooling generates nothing.
+        "pricing": {"input_per_million": "1"},
+    }
+    with Stack(
+        tenants=[
+            {"name": DEMO_TENANT, "api_key": "sk-kvgate-demo"},
+            {"name": TPM_LIMITED, "api_key": "sk-small-tpm", "limits": {"tpm": TPM}},
+        ],
+        models=[*default_models(_demo_model_dir()), embedding_model],
+        sim={"extra_args": ["--embedding-model", "wordllama"]},
+    ) as running:
+        yield running
+
+
+def sdk(stack: Stack, tenant: str = DEMO_TENANT) -> OpenAI:
+    return OpenAI(
+        base_url=f"{stack.base_url}/v1",
+        api_key=stack.api_key(tenant),
+        max_retries=0,
+        timeout=30.0,
+    )
+
+
+def post(stack: Stack, path: str, body: Any, tenant: str = DEMO_TENANT) -> httpx.Response:
+    return httpx.post(
+        f"{stack.base_url}{path}",
+        json=body,
+        headers={"Authorization": f"Bearer {stack.api_key(tenant)}"},
+        timeout=30.0,
+    )
+
+
+def in_flight(stack: Stack) -> tuple[float, float]:
+    metrics = kvgate_metrics(stack)
+    return (
+        metrics.value("kvgate_kv_tokens_in_flight", backend=DEFAULT_BACKEND),
+        metrics.value("kvgate_requests_in_flight", backend=DEFAULT_BACKEND),
+    )
+
+
+def nothing_in_flight(stack: Stack) -> None:
+    assert wait_until(lambda: in_flight(stack), lambda v: v == (0, 0), timeout=TIMEOUT_S) == (0, 0)
+
+
+def settled(stack: Stack, before: dict[str, int], requests: int) -> dict[str, int]:
+    totals = wait_until(
+        lambda: tenant_totals(stack),
+        lambda t: t["requests"] == before["requests"] + requests,
+        timeout=TIMEOUT_S,
+    )
+    return {key: totals[key] - before[key] for key in totals}
+
+
+def kvgate_count(stack: Stack, request_id: str) -> int:
+    entry = stack.wait_access_log(lambda e: e["request_id"] == request_id)
+    return int(entry["prompt_tokens"])
+
+
+def spent_pico(stack: Stack, tenant: str = DEMO_TENANT) -> int:
+    """The tenant's cost this month, in pico-dollars (the report gives exact decimals)."""
+    for entry in kvgate_usage(stack).get("tenants", []):
+        if entry.get("tenant") == tenant:
+            return int(Decimal(entry["this_month"]["cost_usd"]) * 10**12)
+    return 0
+
+
+INPUTS: dict[str, Any] = {
+    "a string": "The quick brown fox jumps over the lazy dog.",
+    "a batch": ["first document", "a second, longer document about embeddings", "3"],
+    "token ids": [1, 450, 4996, 17354],
+    "token-id lists": [[1, 450], [1, 4996, 17354, 1701]],
+}
+
+
+@pytest.mark.parametrize("name", list(INPUTS))
+def test_counted_equals_served_and_the_ledger_is_exact(stack: Stack, name: str) -> None:
+    before = tenant_totals(stack)
+    spent = spent_pico(stack)
+    with sdk(stack) as client:
+        raw = client.embeddings.with_raw_response.create(model=MODEL, input=INPUTS[name])
+    answer = raw.parse()
+    inputs = INPUTS[name]
+    expected_items = (
+        len(inputs) if isinstance(inputs, list) and not isinstance(inputs[0], int) else 1
+    )
+    assert len(answer.data) == expected_items
+    assert [item.index for item in answer.data] == list(range(expected_items))
+    assert all(len(item.embedding) == 256 for item in answer.data)
+    served = answer.usage.prompt_tokens
+    assert served > 0 and answer.usage.total_tokens == served
+    assert kvgate_count(stack, raw.headers["x-request-id"]) == served
+    billed = settled(stack, before, 1)
+    assert (billed["prompt_tokens"], billed["output_tokens"]) == (served, 0)
+    assert wait_until(lambda: spent_pico(stack), lambda v: v > spent, timeout=TIMEOUT_S) == (
+        spent + served * PICO_PER_TOKEN
+    )
+    nothing_in_flight(stack)
+
+
+def test_dimensions_and_base64_pass_through_untouched(stack: Stack) -> None:
+    with sdk(stack) as client:
+        floats = client.embeddings.create(model=MODEL, input=["alpha", "beta"], dimensions=64)
+        assert [len(item.embedding) for item in floats.data] == [64, 64]
+        raw = client.embeddings.with_raw_response.create(
+            model=MODEL, input=["alpha", "beta"], dimensions=64, encoding_format="base64"
+        )
+        answer = raw.parse()
+        # Little-endian float32 in base64, as vLLM encodes it: the same vectors.
+        for item, plain in zip(answer.data, floats.data, strict=True):
+            assert isinstance(item.embedding, str)
+            decoded = struct.unpack("<64f", base64.b64decode(item.embedding))
+            assert max(abs(a - b) for a, b in zip(decoded, plain.embedding, strict=True)) < 1e-6
+        assert kvgate_count(stack, raw.headers["x-request-id"]) == answer.usage.prompt_tokens
+        # A dimension the model refuses is the engine's 400, charged nothing.
+        before = tenant_totals(stack)
+        with pytest.raises(openai.BadRequestError):
+            client.embeddings.create(model=MODEL, input="x", dimensions=100)
+    billed = settled(stack, before, 1)
+    assert (billed["prompt_tokens"], billed["output_tokens"]) == (0, 0)
+    nothing_in_flight(stack)
+
+
+def test_truncation_is_counted_as_the_engine_truncates(stack: Stack) -> None:
+    body = {"model": MODEL, "input": ["word " * 100, "hi"], "truncate_prompt_tokens": 10}
+    response = post(stack, "/v1/embeddings", body)
+    assert response.status_code == 200, response.text
+    served = response.json()["usage"]["prompt_tokens"]
+    assert served <= 20
+    assert kvgate_count(stack, response.headers["x-request-id"]) == served
+    nothing_in_flight(stack)
+
+
+def test_an_input_over_the_context_is_refused_naming_input(stack: Stack) -> None:
+    with sdk(stack) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=MODEL, input=[[1, 2], [5] * (WORDLLAMA_MAX_MODEL_LEN + 1)])
+    assert caught.value.param == "input"
+    assert caught.value.code == "context_length_exceeded"
+    with sdk(stack) as client, pytest.raises(openai.BadRequestError) as text:
+        client.embeddings.create(model=MODEL, input="word " * 40_000)
+    assert text.value.param == "input"
+    nothing_in_flight(stack)
+
+
+HOSTILE: dict[str, tuple[Any, str]] = {
+    "a 10k-item batch": (["x"] * 10_000, "input"),
+    "an empty list": ([], "input"),
+    "a number": (5, "input"),
+    "nested junk": ([[1, [2]]], "input[0][1]"),
+    "mixed kinds": (["a", 1], "input[1]"),
+    "a negative token id": ([1, -3], "input[1]"),
+    "an empty token list": ([[1], []], "input[1]"),
+    "an object": ({"text": "x"}, "input"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_inputs_are_refused_naming_the_field(stack: Stack, name: str) -> None:
+    value, param = HOSTILE[name]
+    before = tenant_totals(stack)
+    response = post(stack, "/v1/embeddings", {"model": MODEL, "input": value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert tenant_totals(stack) == before
+    nothing_in_flight(stack)
+
+
+def test_an_out_of_vocabulary_token_is_the_engines_400_and_free(stack: Stack) -> None:
+    before = tenant_totals(stack)
+    response = post(stack, "/v1/embeddings", {"model": MODEL, "input": [1, 99_999_999]})
+    assert response.status_code == 400
+    billed = settled(stack, before, 1)
+    assert (billed["prompt_tokens"], billed["output_tokens"]) == (0, 0)
+    nothing_in_flight(stack)
+
+
+def test_raw_byte_answers_are_refused(stack: Stack) -> None:
+    response = post(
+        stack, "/v1/embeddings", {"model": MODEL, "input": "x", "encoding_format": "bytes"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "encoding_format"
+
+
+def test_a_tenant_over_its_tpm_gets_openais_429_with_rate_limit_headers(stack: Stack) -> None:
+    text = "tokens " * 300  # about 300 tokens of the 400 a minute
+    with sdk(stack, TPM_LIMITED) as client:
+        first = client.embeddings.with_raw_response.create(model=MODEL, input=text)
+        assert first.parse().usage.prompt_tokens > TPM // 2
+        assert "x-ratelimit-remaining-tokens" in first.headers
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.embeddings.create(model=MODEL, input=text)
+    error = caught.value
+    assert error.status_code == 429
+    assert error.code == "tpm_exceeded"
+    headers = error.response.headers
+    assert int(headers["x-ratelimit-limit-tokens"]) == TPM
+    assert int(headers["retry-after"]) >= 1
+    nothing_in_flight(stack)
+
+
+def test_pooling_path_is_counted_and_metered_like_embeddings(stack: Stack) -> None:
+    """vLLM's /pooling takes the embeddings request grammar: counted and metered the same
+    way, its answer's usage settling the ledger."""
+    before = tenant_totals(stack)
+    response = post(stack, "/pooling", {"model": MODEL, "input": ["hello", "pooling world"]})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [item["object"] for item in answer["data"]] == ["pooling", "pooling"]
+    served = answer["usage"]["prompt_tokens"]
+    assert kvgate_count(stack, response.headers["x-request-id"]) == served
+    refused = post(stack, "/pooling", {"model": MODEL, "input": []})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+    billed = settled(stack, before, 1)
+    assert (billed["prompt_tokens"], billed["output_tokens"]) == (served, 0)
+    nothing_in_flight(stack)
