@@ -42,14 +42,24 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-APIS = ("chat", "messages", "responses")
+APIS = ("chat", "messages", "responses", "embeddings")
 # "chat-tools": the agent conversation on chat completions.
-WIRE_API = {"chat": "chat", "chat-tools": "chat", "messages": "messages", "responses": "responses"}
+WIRE_API = {
+    "chat": "chat",
+    "chat-tools": "chat",
+    "messages": "messages",
+    "responses": "responses",
+    "embeddings": "embeddings",
+}
 PATHS = {
     "chat": "/v1/chat/completions",
     "messages": "/v1/messages",
     "responses": "/v1/responses",
+    "embeddings": "/v1/embeddings",
 }
+# `1k-embeddings`: the 1k text as one embedding input, on the simulator's embedding model
+# (WordLlama, a Llama-2 vocabulary: the same text is ~1.2k of its tokens).
+EMBEDDING_MODEL = "wordllama-l2-supercat"
 ANTHROPIC_VERSION = "2023-06-01"
 
 # The chat conversation's ~1,500-token assistant answer, split into an agent's step.
@@ -105,7 +115,7 @@ def api_headers(api: str, api_key: str) -> dict[str, str]:
 def prompt_tokens_of(api: str, answer: dict[str, Any]) -> int:
     """The engine's prompt size from a JSON answer's usage."""
     usage = answer["usage"]
-    return int(usage["prompt_tokens"] if api == "chat" else usage["input_tokens"])
+    return int(usage["prompt_tokens"] if api in ("chat", "embeddings") else usage["input_tokens"])
 
 
 def _dump(body: dict[str, Any]) -> bytes:
@@ -122,6 +132,9 @@ def single_body(api: str, model: str, content: str, max_tokens: int) -> bytes:
         return _dump({"model": model, "max_tokens": max_tokens, "messages": messages})
     if api == "responses":
         return _dump({"model": model, "input": content, "max_output_tokens": max_tokens})
+    if api == "embeddings":
+        # Nothing is generated: no cap; the embedding model, not the chat one.
+        return _dump({"model": EMBEDDING_MODEL, "input": content})
     raise ValueError(f"not an API of this module: {api!r}")
 
 

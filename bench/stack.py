@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from bench.api_cases import EMBEDDING_MODEL
 from bench.cpu import tree_cpu_seconds, wait_machine_quiet
 from testbed.harness import (
     ENVOY_CONFIG,
@@ -45,6 +46,7 @@ from testbed.harness import (
     SimOptions,
     sha256_hex,
 )
+from testbed.pooling_models import WORDLLAMA_MAX_MODEL_LEN, wordllama_model_dir
 from testbed.rig import EnvoyProcess, KvgateProcess, Rig, SimProcess
 
 OBSERVABILITY_CONFIG = REPO_ROOT / "envoy" / "envoy-observability.yaml"
@@ -113,6 +115,8 @@ class SimSettings:
             log_level="warning",
             ttft_ms=self.ttft_ms,
             itl_ms=self.itl_ms,
+            # POST /v1/embeddings (the 1k-embeddings case) with a real embedding model.
+            extra_args=["--embedding-model", "wordllama"],
         )
 
 
@@ -214,7 +218,15 @@ class BenchStack:
                     "max_context": MAX_CONTEXT,
                     "default_max_new_tokens": 16,
                     "backend": BACKEND,
-                }
+                },
+                {
+                    # The simulator's embedding model (the 1k-embeddings case).
+                    "name": EMBEDDING_MODEL,
+                    "tokenizer": str(wordllama_model_dir()),
+                    "max_context": WORDLLAMA_MAX_MODEL_LEN,
+                    "default_max_new_tokens": 16,
+                    "backend": BACKEND,
+                },
             ],
             "backends": [
                 {
