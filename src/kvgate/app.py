@@ -510,7 +510,8 @@ class KvgateServer:
                 ),
             ],
         )
-        _add_admin_servicer(AdminService(self.services, self.snapshots, self.reloader), self._admin)
+        admin = AdminService(self.services, self.snapshots, self.reloader, self.pools)
+        _add_admin_servicer(admin, self._admin)
         reflection.enable_server_reflection(
             (admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME),
             self._admin,

@@ -160,10 +160,7 @@ def run_admin_command(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(MessageToDict(reply), indent=2))
             for b in reply.backends if not args.json else ():
-                print(
-                    f"{b.name:<20} KV {b.kv_tokens_in_flight:>9}/{b.kv_budget_tokens:<9} "
-                    f"requests {b.requests_in_flight}/{b.max_concurrent_requests}"
-                )
+                _print_backend(b)
         else:
             reply = call("Reload", admin_pb2.ReloadRequest())
             if not reply.applied:
@@ -187,6 +184,37 @@ def run_admin_command(args: argparse.Namespace) -> int:
             )
         return 2
     return 0
+
+
+def _print_backend(backend: admin_pb2.Backend) -> None:
+    """One line per backend; a pool's total, then one line per endpoint."""
+    if not backend.pool:
+        print(
+            f"{backend.name:<20} KV {backend.kv_tokens_in_flight:>9}/{backend.kv_budget_tokens:<9} "
+            f"requests {backend.requests_in_flight}/{backend.max_concurrent_requests}"
+        )
+        return
+    print(
+        f"{backend.name:<20} KV {backend.kv_tokens_in_flight:>9}/{backend.kv_budget_tokens:<9} "
+        f"requests {backend.requests_in_flight} "
+        f"(pool of {len(backend.endpoints)}, {backend.max_concurrent_requests} per endpoint)"
+    )
+    for e in backend.endpoints:
+        budget = str(e.kv_budget_tokens) if e.kv_budget_tokens else "?"
+        scraped = (
+            f"scraped {e.last_scrape_age_s:.1f}s ago"
+            if e.HasField("last_scrape_age_s")
+            else "never scraped"
+        )
+        waiting = (
+            f", engine queue {e.engine_requests_waiting}"
+            if e.HasField("engine_requests_waiting")
+            else ""
+        )
+        print(
+            f"  {e.address:<18} KV {e.kv_tokens_in_flight:>9}/{budget:<9} "
+            f"requests {e.requests_in_flight:<4} {e.state:<9} {scraped}{waiting}"
+        )
 
 
 def add_admin_commands(subparsers: Any) -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
+from kvgate.capacity.pools import PoolRegistry
 from kvgate.config import SnapshotHolder
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle.usage_report import tenant_usage_report
+from kvgate.policy import BackendLimits, BackendStatus
 from kvgate.reload import ConfigReloader
 
 
@@ -57,10 +60,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         services: GatewayServices,
         snapshots: SnapshotHolder,
         reloader: ConfigReloader | None,
+        pools: PoolRegistry,
     ) -> None:
         self._services = services
         self._snapshots = snapshots
         self._reloader = reloader
+        self._pools = pools
 
     async def GetTenantUsage(  # the gRPC method name
         self,
@@ -104,6 +109,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         status = {s.name: s for s in await self._services.store.backend_status()}
         backends = []
         for name, limits in sorted(self._snapshots.current.backends.items()):
+            if self._pools.is_pool(name):
+                backends.append(self._pool_message(name, limits, status))
+                continue
             live = status.get(name)
             backends.append(
                 admin_pb2.Backend(
@@ -115,6 +123,35 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 )
             )
         return admin_pb2.ListBackendsResponse(backends=backends)
+
+    def _pool_message(
+        self, pool: str, limits: BackendLimits, status: Mapping[str, BackendStatus]
+    ) -> admin_pb2.Backend:
+        """A pool and each endpoint: reservations are kept per endpoint (``pool/IP:PORT``),
+        so the pool's own name holds none; its totals are the endpoints' sums."""
+        endpoints = []
+        for state in self._pools.endpoint_states(pool):
+            live = status.get(state.key)
+            endpoints.append(
+                admin_pb2.PoolEndpoint(
+                    address=state.address,
+                    state=state.state,
+                    kv_budget_tokens=state.kv_budget_tokens or 0,
+                    kv_tokens_in_flight=live.kv_tokens_in_flight if live else 0,
+                    requests_in_flight=live.requests_in_flight if live else 0,
+                    last_scrape_age_s=state.last_scrape_age_s,
+                    engine_requests_waiting=state.engine_requests_waiting,
+                )
+            )
+        return admin_pb2.Backend(
+            name=pool,
+            kv_budget_tokens=sum(e.kv_budget_tokens for e in endpoints),
+            kv_tokens_in_flight=sum(e.kv_tokens_in_flight for e in endpoints),
+            requests_in_flight=sum(e.requests_in_flight for e in endpoints),
+            max_concurrent_requests=limits.max_concurrent_requests,
+            pool=True,
+            endpoints=endpoints,
+        )
 
     async def Reload(
         self,

@@ -67,6 +67,22 @@ class PoolView:
     capacity_unknown: int
 
 
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One pool endpoint as an operator sees it (``kvgate backends``, the admin API)."""
+
+    address: str
+    # Its KV ledger in the state store (``endpoint_key``).
+    key: str
+    # "ready", "degraded", "shedding", "unknown" or "down" (the admin API's PoolEndpoint).
+    state: str
+    # None while its automatic budget was never read.
+    kv_budget_tokens: int | None
+    # Seconds since its last good scrape; None: never scraped, or no metrics discovery.
+    last_scrape_age_s: float | None
+    engine_requests_waiting: int | None
+
+
 class _Pool:
     """One pool's members and their monitors."""
 
@@ -309,6 +325,56 @@ class _Pool:
             capacity_unknown=unknown,
         )
 
+    def endpoint_states(self, now: float) -> list[EndpointState]:
+        """Every member's state, in the terms the picker uses (``view``)."""
+        view = self.view(now)
+        listed: dict[str, tuple[str, PoolEndpoint]] = {}
+        for endpoint in view.pickable:
+            listed[endpoint.address] = ("ready", endpoint)
+        for endpoint in view.degraded:
+            listed[endpoint.address] = ("degraded", endpoint)
+        shedding = {key for key, _ in view.shedding}
+        states = []
+        for address in self.addresses:
+            key = endpoint_key(self.settings.name, address)
+            monitor = self.monitors.get(address)
+            reading = monitor.latest(now) if monitor is not None else None
+            found = listed.get(address)
+            if found is not None:
+                state = found[0]
+                budget: int | None = found[1].limits.kv_budget_tokens
+            else:
+                budget = self._known_budget(address)
+                if key in shedding:
+                    state = "shedding"
+                elif monitor is None or monitor.consecutive_failures == 0:
+                    state = "unknown"  # answering, but its automatic budget was never read
+                else:
+                    state = "down"
+            last_success = monitor.last_success_at if monitor is not None else None
+            states.append(
+                EndpointState(
+                    address=address,
+                    key=key,
+                    state=state,
+                    kv_budget_tokens=budget,
+                    last_scrape_age_s=None if last_success is None else now - last_success,
+                    engine_requests_waiting=(
+                        reading.num_requests_waiting if reading is not None else None
+                    ),
+                )
+            )
+        return states
+
+    def _known_budget(self, address: str) -> int | None:
+        budget = self.settings.kv_budget_tokens
+        if budget != "auto":
+            return int(budget)
+        known = self.known_budget.get(address)
+        if known is None:
+            return None
+        return min(known[0], self.settings.max_auto_kv_budget_tokens)
+
 
 class PoolRegistry:
     """Every pool's live membership and per-endpoint readings."""
@@ -340,6 +406,9 @@ class PoolRegistry:
 
     def view(self, pool: str) -> PoolView:
         return self._pools[pool].view(self._clock())
+
+    def endpoint_states(self, pool: str) -> list[EndpointState]:
+        return self._pools[pool].endpoint_states(self._clock())
 
     def members(self, pool: str) -> Sequence[str]:
         return self._pools[pool].addresses

@@ -87,18 +87,40 @@ class ListBackendsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Backend(_message.Message):
-    __slots__ = ("name", "kv_budget_tokens", "kv_tokens_in_flight", "requests_in_flight", "max_concurrent_requests")
+    __slots__ = ("name", "kv_budget_tokens", "kv_tokens_in_flight", "requests_in_flight", "max_concurrent_requests", "pool", "endpoints")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kv_budget_tokens: int
     kv_tokens_in_flight: int
     requests_in_flight: int
     max_concurrent_requests: int
-    def __init__(self, name: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., kv_tokens_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ...) -> None: ...
+    pool: bool
+    endpoints: _containers.RepeatedCompositeFieldContainer[PoolEndpoint]
+    def __init__(self, name: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., kv_tokens_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., pool: _Optional[bool] = ..., endpoints: _Optional[_Iterable[_Union[PoolEndpoint, _Mapping]]] = ...) -> None: ...
+
+class PoolEndpoint(_message.Message):
+    __slots__ = ("address", "state", "kv_budget_tokens", "kv_tokens_in_flight", "requests_in_flight", "last_scrape_age_s", "engine_requests_waiting")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SCRAPE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: str
+    kv_budget_tokens: int
+    kv_tokens_in_flight: int
+    requests_in_flight: int
+    last_scrape_age_s: float
+    engine_requests_waiting: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., kv_tokens_in_flight: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., last_scrape_age_s: _Optional[float] = ..., engine_requests_waiting: _Optional[int] = ...) -> None: ...
 
 class ListBackendsResponse(_message.Message):
     __slots__ = ("backends",)

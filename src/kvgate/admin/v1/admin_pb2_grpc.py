@@ -74,7 +74,7 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListBackends(self, request, context):
-        """KV budget and in-flight work of every backend.
+        """KV budget and in-flight work of every backend, and of each endpoint of a pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
