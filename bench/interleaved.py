@@ -952,6 +952,10 @@ def main(argv: list[str] | None = None) -> int:
         titles[f"conversation-{api}"] = (
             f"conversation-{api}: {TURNS} turns of an agent's conversation on {where}"
         )
+    titles["1k-embeddings"] = (
+        "1k-embeddings: the ~1,000-token text as one input of `POST /v1/embeddings` (nothing "
+        "generated)"
+    )
     titles["conversation-chat-tools"] = (
         f"conversation-chat-tools: the agent's conversation ({TURNS} turns) on chat completions "
         "(tool_calls, tool messages)"
