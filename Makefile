@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_MODEL := var/models/qwen2.5-demo
 
-.PHONY: up test lint format install demo-model clean protos
+.PHONY: up test lint format install demo-model promtool clean protos
 
 # kvgate with its demo and dev extras, and the vLLM simulator (sim/, its own distribution).
 $(STAMP): pyproject.toml sim/pyproject.toml
@@ -25,11 +25,23 @@ $(DEMO_MODEL)/tokenizer.json: $(STAMP) tools/build_demo_tokenizer.py
 
 demo-model: $(DEMO_MODEL)/tokenizer.json
 
+# promtool, for the alert rules' unit tests: taken out of Debian's prometheus package without
+# installing it (no service, no root needed beyond apt's own download).
+PROMTOOL := var/tools/promtool
+$(PROMTOOL):
+	rm -rf var/tools/prometheus-deb && mkdir -p var/tools/prometheus-deb
+	cd var/tools/prometheus-deb && apt-get download prometheus
+	dpkg -x var/tools/prometheus-deb/prometheus_*.deb var/tools/prometheus-deb/root
+	cp var/tools/prometheus-deb/root/usr/bin/promtool $(PROMTOOL)
+	rm -rf var/tools/prometheus-deb
+
+promtool: $(PROMTOOL)
+
 # Envoy :10000 -> kvgate :50051 (metrics :9464) -> vLLM simulator :8000, in the foreground.
 up: install demo-model
 	$(BIN)/python tools/up.py
 
-test: install demo-model
+test: install demo-model promtool
 	$(BIN)/ruff check src sim testbed tests tools bench deploy
 	$(BIN)/ruff format --check src sim testbed tests tools bench deploy
 	$(BIN)/mypy
