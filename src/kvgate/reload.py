@@ -72,6 +72,7 @@ def _tokenizer_settings(
         model.tokenizer_mode,
         model.harmony_system_instructions,
         model.engine_flags,
+        model.vision,
     )
 
 

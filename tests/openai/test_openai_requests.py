@@ -106,10 +106,19 @@ BAD_REQUESTS: list[tuple[str, str, bytes, str | None, str | None]] = [
      "invalid_type", "messages[0].content[0]"),
     ("part type missing", CHAT, chat(messages=[{"role": "user", "content": [{"text": "x"}]}]),
      "missing_required_parameter", "messages[0].content[0].type"),
-    ("part image", CHAT, chat(messages=[{"role": "user", "content": [
+    ("part audio", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "look"},
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]),
+        {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]}]),
      "invalid_value", "messages[0].content[1].type"),
+    ("part image_url string", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": "http://x"}]}]),
+     "invalid_type", "messages[0].content[0].image_url"),
+    ("part image_url missing", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url"}]}]),
+     "missing_required_parameter", "messages[0].content[0].image_url"),
+    ("part image_url url int", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": 3}}]}]),
+     "invalid_type", "messages[0].content[0].image_url.url"),
     ("part text missing", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
      "missing_required_parameter", "messages[0].content[0].text"),
     ("part text int", CHAT,

@@ -293,7 +293,7 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("prompt", {"model": "m", "input": "Hi", "prompt": {"id": "pmpt_1"}}),
     ("mm_processor_kwargs", {"model": "m", "input": "Hi", "mm_processor_kwargs": {}}),
     (
-        "input[0].content[1].type",
+        "input[0].content[1].file_id",
         {
             "model": "m",
             "input": [
@@ -301,10 +301,17 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
                     "role": "user",
                     "content": [
                         {"type": "input_text", "text": "What is this?"},
-                        {"type": "input_image", "image_url": "https://example.com/a.png"},
+                        {"type": "input_image", "file_id": "file-1"},
                     ],
                 }
             ],
+        },
+    ),
+    (
+        "input[0].content[0].image_url",
+        {
+            "model": "m",
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": 7}]}],
         },
     ),
     (

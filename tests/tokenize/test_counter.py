@@ -146,7 +146,7 @@ def test_count_text(counter: PromptCounter, hf_tokenizer: Any) -> None:
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
             None,
-            "only text",
+            "takes no images",
         ),
         ([{"role": "user", "content": [{"image_url": "x"}]}], None, "only text"),
         ([{"role": "user", "content": [{"foo": 1}]}], None, "no 'type'"),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vllm_sim.chat_flags import DEFAULT_FLAGS, ChatFlags, chat_kwargs
+from vllm_sim.vision import SimVision, VisionError, image_part_url, is_image_part
 
 ContentFormat = Literal["string", "openai"]
 
@@ -274,8 +275,21 @@ def _declared_part_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
-def _part(part: Any, content_format: ContentFormat) -> Any:
-    """One content part as vLLM keeps it (None: skipped)."""
+def _part(part: Any, content_format: ContentFormat, images: list[str] | None = None) -> Any:
+    """One content part as vLLM keeps it (None: skipped). ``images``: a vision model's
+    collector of image URLs (None: images are refused)."""
+    if images is not None and is_image_part(part):
+        try:
+            url = image_part_url(part)
+        except VisionError as exc:
+            raise PromptError(str(exc)) from exc
+        if not url:
+            raise PromptError("Failed to load image: no image URL")
+        images.append(url)
+        if content_format != "openai":
+            return None  # its placeholder goes before the message's text
+        extras = {k: v for k, v in part.items() if k not in _declared_part_keys()}
+        return {"type": "image", **extras}
     if isinstance(part, str):
         return {"type": "text", "text": part} if content_format == "openai" else part
     if not isinstance(part, dict):
@@ -309,9 +323,15 @@ def _tool_call_arguments(value: Any) -> dict[str, Any]:
 
 
 def preprocess_messages(
-    messages: Sequence[dict[str, Any]], content_format: ContentFormat
+    messages: Sequence[dict[str, Any]],
+    content_format: ContentFormat,
+    images: list[str] | None = None,
+    placeholder: str = "",
 ) -> list[dict[str, Any]]:
-    """Turn OpenAI-style messages into the conversation vLLM hands to the template."""
+    """Turn OpenAI-style messages into the conversation vLLM hands to the template.
+
+    ``images``: a vision model's collector (image URLs in order; ``placeholder`` stands for
+    each in a "string"-format message); None refuses image parts."""
     conversation: list[dict[str, Any]] = []
     for message in messages:
         role = message["role"]
@@ -328,10 +348,22 @@ def preprocess_messages(
             parts = _without_billing_header(parts)
         # Falsy results (a skipped part, or an empty string once joined) are dropped;
         # an empty text wrapped as a dict is not falsy, so "openai" keeps it.
-        kept = [p for p in (_part(part, content_format) for part in parts) if p]
+        before = len(images) if images is not None else 0
+        kept = [p for p in (_part(part, content_format, images) for part in parts) if p]
 
         out: dict[str, Any] = {"role": role}
         out["content"] = kept if content_format == "openai" else "\n".join(kept)
+        added = len(images) - before if images is not None else 0
+        if added and content_format != "openai":
+            # get_full_multimodal_text_prompt: placeholders the text lacks go first.
+            text = out["content"]
+            missing = added - text.count(placeholder)
+            if missing < 0:
+                raise PromptError(
+                    f"Found more '{placeholder}' placeholders in input prompt than actual "
+                    "multimodal data items."
+                )
+            out["content"] = "\n".join([placeholder] * missing + ([text] if text else []))
         if role == "assistant":
             if message.get("tool_calls") is not None:
                 out["tool_calls"] = copy.deepcopy(list(message["tool_calls"]))
@@ -516,6 +548,8 @@ class SimTokenizer:
         self.content_format = detect_content_format(default)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.word_ids, self.word_texts = self._pick_word_tokens()
+        # A vision model's image side (None: image parts are refused, as text-only vLLM does).
+        self.vision = SimVision.for_model_dir(self.model_dir, self._tok)
 
     def _pick_word_tokens(self) -> tuple[list[int], list[str]]:
         ids: list[int] = []
@@ -550,9 +584,11 @@ class SimTokenizer:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         flags: ChatFlags | None = None,
+        images: list[str] | None = None,
     ) -> str:
         """Render like vLLM 0.34's ``safe_apply_chat_template`` on its preprocessed chat,
-        with the server's chat flags (vLLM's defaults when None)."""
+        with the server's chat flags (vLLM's defaults when None). ``images`` receives the
+        image URLs of a vision model's chat, in order."""
         flags = flags or DEFAULT_FLAGS
         if chat_template_kwargs and (
             "chat_template" in chat_template_kwargs or "tokenize" in chat_template_kwargs
@@ -594,7 +630,11 @@ class SimTokenizer:
                 return _cached_content_format(template)
 
         content_format: Any = flags.content_format(detect)
-        conversation = preprocess_messages(messages, content_format)
+        vision = self.vision
+        collected = (images if images is not None else []) if vision is not None else None
+        conversation = preprocess_messages(
+            messages, content_format, collected, vision.placeholder if vision else ""
+        )
         conversation = developer_to_system(conversation, template)
         accepted = _template_variables(template) | _APPLY_PARAMS
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
@@ -618,8 +658,16 @@ class SimTokenizer:
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         add_special_tokens = bool(kwargs.pop("add_special_tokens", False))
-        text = self.render_chat(messages, **kwargs)
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        images: list[str] = []
+        text = self.render_chat(messages, images=images, **kwargs)
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        if self.vision is None:
+            return ids
+        try:
+            # vLLM's multimodal processor: each image's placeholder token becomes its grid.
+            return self.vision.expand(ids, images)
+        except VisionError as exc:
+            raise PromptError(str(exc)) from exc
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

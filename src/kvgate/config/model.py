@@ -411,6 +411,24 @@ class EngineFlagsConfig(_Strict):
     exclude_tools_when_tool_choice_none: Reload[bool] = False
 
 
+class VisionConfig(_Strict):
+    """Bounds on the images of one request to a vision model (Qwen2-VL / Qwen2.5-VL
+    directories; other models refuse image parts). On a reload the model's counter is
+    loaded again before the swap."""
+
+    # Image parts in one request (every message together).
+    max_images_per_request: Reload[int] = Field(default=8, ge=0, le=1024)
+    # A data: URL's decoded bytes.
+    max_image_bytes: Reload[int] = Field(default=10 * 1024 * 1024, ge=1024)
+    # width x height of a data: image, read from its header before it is decompressed.
+    max_image_pixels: Reload[int] = Field(default=16 * 1024 * 1024, ge=1)
+    # http(s) image URLs (the engine fetches them; reserved at the most one image can take).
+    remote_images: Reload[bool] = True
+    # Hosts an image URL may name even when they are private or loopback addresses (literal
+    # addresses and localhost are refused otherwise: the engine would fetch from inside).
+    allowed_url_hosts: Reload[list[str]] = Field(default_factory=list)
+
+
 class ModelConfig(_Strict):
     """One model, compiled into the snapshot: every field applies on a reload; a changed
     tokenizer or counting setting loads the model's counter again before the swap."""
@@ -442,6 +460,8 @@ class ModelConfig(_Strict):
     harmony_system_instructions: Reload[bool] = False
     # The vLLM server's own options that shape chat prompts, as it was started with them.
     engine_flags: EngineFlagsConfig = EngineFlagsConfig()
+    # Images in requests to a vision model: per-request bounds (docs/counting.md, "Images").
+    vision: VisionConfig = VisionConfig()
     # Who counts this model's prompts: "local" renders and tokenizes them in kvgate with
     # `tokenizer`; "engine" asks the model's vLLM (/tokenize, `engine_counting`) for every
     # count: exact by construction, for a model whose rendering kvgate cannot reproduce.

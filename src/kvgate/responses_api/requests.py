@@ -40,7 +40,9 @@ Refused here (a 400 naming the field):
 * What makes the prompt include a conversation kvgate never saw, so it would be counted
   low: ``previous_response_id``, ``conversation``, ``previous_input_messages``,
   ``item_reference`` items, and ``background`` (stored and run apart from this request).
-* What kvgate cannot count: images and files (``input_image``, ``input_file``), built-in
+* What kvgate cannot count: files (``input_file``), images outside a message's content or
+  given by ``file_id`` (an ``input_image`` by URL in a message is counted by the model's
+  image rule, docs/counting.md "Images"), built-in
   tools (``web_search``, ``file_search``, ``code_interpreter``, ``mcp``, ...: with a tool
   server vLLM runs them in further turns whose prompts kvgate never counts) and their call
   items, ``namespace`` tools, ``mm_processor_kwargs``, ``prompt`` templates (vLLM refuses
@@ -228,8 +230,10 @@ def _media_refused(param: str, kind: str) -> ApiError:
     )
 
 
-def _input_parts(value: list[Any], param: str) -> list[dict[str, Any]]:
-    """Input content parts: ``input_text`` only (as vLLM keeps them: type and text)."""
+def _input_parts(value: list[Any], param: str, *, images: bool = False) -> list[dict[str, Any]]:
+    """Input content parts: ``input_text`` (as vLLM keeps them: type and text), and with
+    ``images`` (a message's content) ``input_image`` parts by URL, which the model's image
+    rule counts (a model without one refuses them)."""
     parts: list[dict[str, Any]] = []
     for j, raw in enumerate(value):
         where = f"{param}[{j}]"
@@ -237,6 +241,9 @@ def _input_parts(value: list[Any], param: str) -> list[dict[str, Any]]:
         kind = part.get("type")
         if kind is None:
             raise _missing(f"{where}.type")
+        if kind == "input_image" and images:
+            parts.append(_input_image(part, where))
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
             raise _media_refused(f"{where}.type", kind)
         if kind != "input_text":
@@ -244,6 +251,19 @@ def _input_parts(value: list[Any], param: str) -> list[dict[str, Any]]:
         text = _required(part, "text", str, f"{where}.text")
         parts.append({"type": "input_text", "text": text})
     return parts
+
+
+def _input_image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` by URL (a data: URL, or one the engine fetches); an uploaded
+    file's id names nothing the engine can read here."""
+    if part.get("file_id") is not None and part.get("image_url") is None:
+        raise _unsupported(
+            f"{where}.file_id",
+            "Images given by 'file_id' are not supported by this gateway; send 'image_url'.",
+        )
+    url = _required(part, "image_url", str, f"{where}.image_url")
+    # vLLM's request model defaults a message's image detail to "auto".
+    return {"type": "input_image", "image_url": url, "detail": part.get("detail", "auto")}
 
 
 def _input_content(item: dict[str, Any], param: str) -> str | list[dict[str, Any]]:
@@ -254,7 +274,7 @@ def _input_content(item: dict[str, Any], param: str) -> str | list[dict[str, Any
         return content
     if type(content) is not list:
         raise _type_error(param, "a string or an array of content parts", content)
-    return _input_parts(content, param)
+    return _input_parts(content, param, images=True)
 
 
 def _assistant_text(item: dict[str, Any], param: str) -> str:

@@ -45,6 +45,7 @@ from kvgate.tokenize.segments import (
     SegmentCountCache,
     segment_key,
 )
+from kvgate.tokenize.vision import ImageRef, VisionSpec, image_tokens, load_vision_spec
 
 # Named special tokens transformers passes to chat templates (its special_tokens_map).
 _SPECIAL_TOKEN_NAMES = (
@@ -230,6 +231,8 @@ class PromptCounter(CountingApi):
             )
             self._engine, self.engine_reason = choice.engine, choice.reason
         self._cache: SegmentCountCache | None = None
+        # A vision model's image rule (None: image parts are refused).
+        self.vision: VisionSpec | None = None
         # Keys the segment digests: this tokenizer's counts are never read by another one.
         self._cache_scope = os.urandom(16)
 
@@ -282,6 +285,7 @@ class PromptCounter(CountingApi):
                 else None
             )
             spec_source = (path / "tokenizer.json").read_bytes()
+            vision = load_vision_spec(path)
         except Exception as exc:  # any unreadable file or bad JSON/template is fatal
             raise TokenizerLoadError(str(path), str(exc)) from exc
         counter = cls(
@@ -293,6 +297,7 @@ class PromptCounter(CountingApi):
             spec_source=spec_source,
         )
         counter.engine_flags = engine_flags
+        counter.vision = vision
         return counter
 
     # -- special tokens added by encode(add_special_tokens=True) ---------------------------
@@ -406,7 +411,26 @@ class PromptCounter(CountingApi):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt string vLLM would build for this chat request."""
+        """The prompt string vLLM would build for this chat request (before the engine
+        expands each image's placeholder)."""
+        return self._render_chat(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )[0]
+
+    def _render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[ImageRef]]:
+        """The prompt string and the images it holds, in order."""
         if self._chat_template is None:
             raise PromptRenderError("this model has no chat template; use completions")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
@@ -417,9 +441,21 @@ class PromptCounter(CountingApi):
             # vLLM lets chat_template_kwargs["tools"] replace the request's tools, as sent.
             shaped_tools = kwargs_tools(kwargs["tools"])
         template = self._chat_template.select(shaped_tools)
-        conversation = parse_messages(messages, template.content_format)
+        vision = self.vision
+        images: list[ImageRef] | None = [] if vision is not None else None
+        conversation = parse_messages(
+            messages,
+            template.content_format,
+            images,
+            vision.placeholder if vision is not None else "",
+        )
+        if vision is not None and images and len(images) > vision.limits.max_images:
+            raise PromptRenderError(
+                f"{images[vision.limits.max_images].where}: more than "
+                f"{vision.limits.max_images} images in one request"
+            )
         conversation = developer_as_system(conversation, template.source)
-        return self._chat_template.render(
+        prompt = self._chat_template.render(
             template,
             conversation,
             shaped_tools,
@@ -427,6 +463,9 @@ class PromptCounter(CountingApi):
             continue_final_message=continue_final_message,
             chat_template_kwargs=kwargs,
         )
+        if vision is not None:
+            _check_media_tokens(prompt, vision, len(images or ()))
+        return prompt, images or []
 
     def plan_chat(
         self,
@@ -439,14 +478,41 @@ class PromptCounter(CountingApi):
         add_special_tokens: bool = False,
     ) -> CountPlan:
         """``count_chat`` up to the segments that still need tokenizing."""
-        prompt = self.render_chat(
+        prompt, images = self._render_chat(
             messages,
             tools,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return self.plan_text(prompt, add_special_tokens=add_special_tokens)
+        plan = self.plan_text(prompt, add_special_tokens=add_special_tokens)
+        if not images or self.vision is None:
+            return plan
+        vision = self.vision
+
+        def expanded_images() -> int:
+            # Each image's one placeholder token (counted in the text) becomes its grid.
+            return sum(image_tokens(vision, image) - 1 for image in images)
+
+        # Decoding an image is never done on the event loop: the plan goes to a worker.
+        return plan.merged(CountPlan(0, [], _IMAGE_DECODE_COST, (expanded_images,)))
+
+
+# Counted as this many characters still to tokenize: more than any inline budget.
+_IMAGE_DECODE_COST = 1 << 40
+
+
+def _check_media_tokens(prompt: str, vision: VisionSpec, images: int) -> None:
+    """The engine matches each image to one placeholder token in the rendered prompt: a
+    message text that types one, or a template that drops an image, is refused (the engine
+    would refuse it, or take typed text for an image)."""
+    for token in vision.reserved_tokens:
+        expected = images if token == vision.image_token else 0
+        if prompt.count(token) != expected:
+            raise PromptRenderError(
+                f"messages: the prompt holds {prompt.count(token)} {token} tokens for "
+                f"{expected} images; message text may not contain {token}"
+            )
 
 
 @dataclass(frozen=True)

@@ -396,11 +396,13 @@ def load_model_counter(
         engine = engine_counter_for(model, backend)
         engine.engine_flags = flags
         return engine
+    from kvgate.tokenize.counter import PromptCounter
     from kvgate.tokenize.loader import resolve_tokenizer_dir
     from kvgate.tokenize.modes import load_counter
+    from kvgate.tokenize.vision import VisionLimits
 
     assert model.tokenizer is not None  # the config requires it for local counting
-    return load_counter(
+    counter = load_counter(
         resolve_tokenizer_dir(model.tokenizer, cache_dir),
         name=model.name,
         counting_engine=model.counting_engine,
@@ -408,6 +410,18 @@ def load_model_counter(
         harmony_system_instructions=model.harmony_system_instructions,
         engine_flags=flags,
     )
+    if isinstance(counter, PromptCounter) and counter.vision is not None:
+        settings = model.vision
+        counter.vision = counter.vision.with_limits(
+            VisionLimits(
+                max_images=settings.max_images_per_request,
+                max_image_bytes=settings.max_image_bytes,
+                max_image_pixels=settings.max_image_pixels,
+                remote_images=settings.remote_images,
+                allowed_hosts=frozenset(h.lower().rstrip(".") for h in settings.allowed_url_hosts),
+            )
+        )
+    return counter
 
 
 def engine_flags_of(model: ModelConfig) -> EngineFlags:

@@ -37,10 +37,17 @@ Reproduces vLLM 0.34's request preprocessing for Hugging Face templates
 * An "openai" text part keeps the keys no content-part type declares (``cache_control``…),
   as vLLM's ``_collect_extra_fields`` does.
 
-Differences: media parts (images, audio, video, files) are rejected, since this gateway
-counts text-only prompts; we do not re-validate every field the way vLLM's pydantic
-models do (e.g. a tool call without ``id`` is accepted here, a tool reference's name must be
-a string).
+* Image parts (``image_url`` with ``image_url.url``, Responses' ``input_image`` with
+  ``image_url``) when the caller collects images (a vision model): an "openai" part becomes
+  ``{"type": "image", ...extra keys}``; in the "string" format the image placeholders are
+  put before the joined text, one per image, joined with ``"\\n"`` (vLLM's
+  ``get_full_multimodal_text_prompt`` without interleaving). Each image's URL is collected
+  (``vision.ImageRef``) for the counter.
+
+Differences: other media parts (audio, video, files, embeddings) are rejected, and image
+parts too unless the model is a vision model kvgate counts; we do not re-validate every
+field the way vLLM's pydantic models do (e.g. a tool call without ``id`` is accepted here, a
+tool reference's name must be a string).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from typing import Any
 
 from kvgate.tokenize.chat_template import ContentFormat
 from kvgate.tokenize.errors import PromptRenderError
+from kvgate.tokenize.vision import ImageRef
 
 _TEXT_KEY_BY_TYPE = {
     "text": "text",
@@ -100,6 +108,11 @@ def _part_text(part: Any, index: int, where: str) -> tuple[str, str | None]:
         return "text", _require_str(value, index, where)
     if part_type == "tool_reference":
         return "tool_reference", _require_str(part.get("name"), index, where)
+    if part_type in _IMAGE_PART_TYPES:
+        raise PromptRenderError(
+            f"{where}.content[{index}]: this model takes no images (kvgate counts images "
+            "only for the vision models it knows)"
+        )
     raise PromptRenderError(
         f"{where}: content part type {part_type!r} is not supported; only text is"
     )
@@ -169,8 +182,34 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
     return out
 
 
+# Image part types and where each keeps its URL.
+_IMAGE_PART_TYPES = frozenset({"image_url", "input_image"})
+
+
+def _image_url(part: Mapping[str, Any], index: int, where: str) -> str:
+    """The URL of an image part (``image_url.url``; Responses' ``input_image``: ``image_url``)."""
+    value = part.get("image_url")
+    if part.get("type") == "image_url":
+        value = value.get("url") if isinstance(value, Mapping) else None
+        name = f"{where}.content[{index}].image_url.url"
+    else:
+        name = f"{where}.content[{index}].image_url"
+    if not isinstance(value, str) or not value:
+        raise PromptRenderError(f"{name} must be a non-empty string")
+    return value
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") in _IMAGE_PART_TYPES
+
+
 def _parse_content(
-    content: Any, fmt: ContentFormat, where: str, role: str
+    content: Any,
+    fmt: ContentFormat,
+    where: str,
+    role: str,
+    images: list[ImageRef] | None = None,
+    placeholder: str = "",
 ) -> str | list[dict[str, Any]]:
     if content is None:
         parts: list[Any] = []
@@ -182,10 +221,21 @@ def _parse_content(
         raise PromptRenderError(f"{where}: content must be a string, a list of parts or null")
     if role == "system":
         parts = _strip_billing_header(parts)
+    image_parts = 0
+    if images is not None:
+        for i, part in enumerate(parts):
+            if _is_image_part(part):
+                images.append(
+                    ImageRef(_image_url(part, i, where), f"{where}.content[{i}].image_url")
+                )
+                image_parts += 1
 
     if fmt == "openai":
         wrapped: list[dict[str, Any]] = []
         for i, part in enumerate(parts):
+            if image_parts and _is_image_part(part):
+                wrapped.append({"type": "image", **_extra_fields(part)})
+                continue
             kind, text = _part_text(part, i, where)
             if text is None:
                 continue
@@ -197,15 +247,27 @@ def _parse_content(
 
     texts = []
     for i, part in enumerate(parts):
+        if image_parts and _is_image_part(part):
+            continue
         _, text = _part_text(part, i, where)
         # vLLM keeps only non-empty strings here (a wrapped "openai" part is never empty).
         if text:
             texts.append(text)
-    return "\n".join(texts)
+    # The images' placeholders go first, each its own line (vLLM without interleaving).
+    return "\n".join([placeholder] * image_parts + (["\n".join(texts)] if texts else []))
 
 
-def parse_messages(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]]:
-    """OpenAI ``messages`` -> the conversation vLLM renders. Never mutates the input."""
+def parse_messages(
+    messages: Any,
+    fmt: ContentFormat,
+    images: list[ImageRef] | None = None,
+    placeholder: str = "",
+) -> list[dict[str, Any]]:
+    """OpenAI ``messages`` -> the conversation vLLM renders. Never mutates the input.
+
+    ``images``: a vision model's collector: image parts are kept (their URLs appended to it
+    in order) and ``placeholder`` stands for each in the "string" format; None refuses them.
+    """
     if not isinstance(messages, list):
         raise PromptRenderError("messages must be a list")
     conversation: list[dict[str, Any]] = []
@@ -218,7 +280,9 @@ def parse_messages(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]]:
             raise PromptRenderError(f"{where}: 'role' must be a string")
         out: dict[str, Any] = {
             "role": role,
-            "content": _parse_content(message.get("content"), fmt, where, role),
+            "content": _parse_content(
+                message.get("content"), fmt, where, role, images, placeholder
+            ),
         }
 
         if role == "assistant":
