@@ -15,6 +15,7 @@ the tests that need it skip.
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import sys
@@ -29,6 +30,15 @@ from testbed.engine_models import vllm_wheel
 
 _PREFIX = "vllm/entrypoints/openai/responses/"
 _FILES = ("protocol.py", "utils.py")
+# The harmony path (gpt-oss): vLLM's harmony helpers and its Responses-to-harmony conversion,
+# loaded after the files above, and the renderer's method that glues them together.
+_HARMONY_UTILS = "vllm/entrypoints/openai/parser/harmony_utils.py"
+_HARMONY_FILES = {
+    "vllm.entrypoints.openai.parser.harmony_utils": _HARMONY_UTILS,
+    "vllm.entrypoints.openai.responses.harmony": _PREFIX + "harmony.py",
+}
+_RENDERER = "vllm/renderers/online_renderer.py"
+_RENDER_METHOD = "_render_responses_with_harmony"
 
 
 class Record:
@@ -143,10 +153,19 @@ def _load() -> types.ModuleType | None:
         return None
     with zipfile.ZipFile(wheel_path) as wheel:
         sources = {name: wheel.read(_PREFIX + name).decode() for name in _FILES}
+        harmony_sources = {
+            module: wheel.read(path).decode() for module, path in _HARMONY_FILES.items()
+        }
+        renderer_source = wheel.read(_RENDERER).decode()
     saved = dict(sys.modules)
     stubs: dict[str, types.ModuleType] = {
         "vllm": _module("vllm"),
-        "vllm.envs": _module("vllm.envs", VLLM_GPT_OSS_SYSTEM_TOOL_MCP_LABELS=[]),
+        "vllm.envs": _module(
+            "vllm.envs",
+            VLLM_GPT_OSS_SYSTEM_TOOL_MCP_LABELS=[],
+            VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=False,
+            VLLM_SYSTEM_START_DATE=None,
+        ),
         "vllm.config": _module("vllm.config"),
         "vllm.entrypoints": _module("vllm.entrypoints"),
         "vllm.entrypoints.generate": _module("vllm.entrypoints.generate"),
@@ -167,6 +186,7 @@ def _load() -> types.ModuleType | None:
             "vllm.entrypoints.serve.engine.protocol", OpenAIBaseModel=OpenAIBaseModel
         ),
         "vllm.entrypoints.openai": _module("vllm.entrypoints.openai"),
+        "vllm.entrypoints.openai.parser": _module("vllm.entrypoints.openai.parser"),
         "vllm.entrypoints.openai.chat_completion": _module(
             "vllm.entrypoints.openai.chat_completion"
         ),
@@ -218,7 +238,17 @@ def _load() -> types.ModuleType | None:
             setattr(package, file.removesuffix(".py"), module)
             exec(compile(sources[file], f"{_PREFIX}{file}", "exec"), module.__dict__)
             loaded[file] = module
+        for name, source in harmony_sources.items():
+            module = _exec_module(name, source, _HARMONY_FILES[name], stubs)
+            loaded[_HARMONY_FILES[name]] = module
         oracle = types.ModuleType("_kvgate_vllm_responses_oracle")
+        oracle.harmony_utils = loaded[_HARMONY_UTILS]  # type: ignore[attr-defined]
+        oracle.render_with_harmony = _renderer_method(  # type: ignore[attr-defined]
+            renderer_source,
+            loaded["utils.py"],
+            loaded[_PREFIX + "harmony.py"],
+            loaded[_HARMONY_UTILS],
+        )
         oracle.protocol = loaded["protocol.py"]  # type: ignore[attr-defined]
         oracle.utils = loaded["utils.py"]  # type: ignore[attr-defined]
         # The modules a call imports lazily (build_chat_params imports .utils).
@@ -226,10 +256,62 @@ def _load() -> types.ModuleType | None:
         return oracle
     finally:
         # Leave no stub behind for other tests (what the files imported for real stays).
-        for name in [*stubs, *(f"{package.__name__}.{f.removesuffix('.py')}" for f in _FILES)]:
+        loaded_names = [
+            *(f"{package.__name__}.{f.removesuffix('.py')}" for f in _FILES),
+            *_HARMONY_FILES,
+        ]
+        for name in [*stubs, *loaded_names]:
             if name not in saved:
                 sys.modules.pop(name, None)
         sys.modules.update(saved)
+
+
+def _exec_module(
+    name: str, source: str, path: str, stubs: dict[str, types.ModuleType]
+) -> types.ModuleType:
+    """Run one wheel file as module ``name`` (its parent package a stub)."""
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    setattr(stubs[parent], child, module)
+    exec(compile(source, path, "exec"), module.__dict__)
+    return module
+
+
+def _renderer_method(
+    source: str,
+    responses_utils: types.ModuleType,
+    responses_harmony: types.ModuleType,
+    harmony_utils: types.ModuleType,
+) -> Any:
+    """``OnlineRenderer._render_responses_with_harmony`` as it is in the wheel, compiled on
+    its own: the renderer module imports the whole engine, the method only these names."""
+    tree = ast.parse(source, _RENDERER)
+    method = next(
+        node
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef)
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name == _RENDER_METHOD
+    )
+    from openai.types.responses import ResponseFunctionToolCall
+    from openai_harmony import Message
+
+    namespace: dict[str, Any] = {
+        **vars(harmony_utils),
+        **vars(responses_harmony),
+        "OpenAIMessage": Message,
+        "ResponseFunctionToolCall": ResponseFunctionToolCall,
+        "ResponsesRenderResult": Record,
+        "extract_tool_types": responses_utils.extract_tool_types,
+        "map_reasoning_effort": _map_reasoning_effort,
+        "VLLMValidationError": VLLMValidationError,
+    }
+    module = ast.Module(body=[method], type_ignores=[])
+    exec(compile(module, _RENDERER, "exec"), namespace)
+    return namespace[_RENDER_METHOD]
 
 
 ORACLE = _load()
@@ -274,3 +356,60 @@ def vllm_conversion(body: dict[str, Any]) -> dict[str, Any]:
         "chat_template_kwargs": params.chat_template_kwargs,
         "continue_final": continued,
     }
+
+
+class HarmonyRefusal(Exception):
+    """vLLM answers the body with an error instead of a prompt."""
+
+
+class _Renderer:
+    """What ``_render_responses_with_harmony`` reads of the renderer: no reasoning-effort
+    map, no parser (its ``adjust_request`` shapes sampling, not the prompt), and the
+    prompt rendered by vLLM's ``render_for_completion``."""
+
+    reasoning_effort_map: dict[str, str] = {}
+    model_config = Record(max_model_len=1 << 30)
+
+    def adjust_harmony_request(self, request: Any) -> None:
+        return None
+
+    def _get_harmony_builtin_tool_descriptions(self, *args: Any) -> dict[str, Any]:
+        # Without a tool server no built-in tool is described.
+        assert ORACLE is not None
+        labels = ORACLE.harmony_utils.BUILTIN_TOOL_TO_MCP_SERVER_LABEL
+        return {f"{server}_description": None for server in labels}
+
+    def create_error_response(self, message: str, **kwargs: Any) -> Any:
+        raise HarmonyRefusal(message)
+
+    def render_responses_harmony_messages(self, messages: list[Any], **kwargs: Any) -> Any:
+        assert ORACLE is not None
+        return list(ORACLE.harmony_utils.render_for_completion(messages))
+
+
+def vllm_harmony_prompt(body: dict[str, Any]) -> list[int]:
+    """The prompt token ids vLLM 0.34 runs for ``body`` on a gpt-oss model (no tool
+    server, no stored history). Raises HarmonyRefusal, VLLMValidationError or pydantic's
+    ValidationError when vLLM refuses the body."""
+    assert ORACLE is not None
+    saved = dict(sys.modules)
+    sys.modules.update(ORACLE.modules)
+    try:
+        request = ORACLE.protocol.ResponsesRequest.model_validate(copy.deepcopy(body))
+        if request.is_include_output_logprobs():
+            # serving.py's _validate_create_responses_input, before rendering.
+            raise HarmonyRefusal("logprobs are not supported with gpt-oss models")
+        result = ORACLE.render_with_harmony(
+            _Renderer(),
+            request,
+            previous_messages=None,
+            previous_response_outputs=None,
+            tool_server=None,
+        )
+    finally:
+        for name in ORACLE.modules:
+            if name not in saved:
+                sys.modules.pop(name, None)
+        sys.modules.update(saved)
+    prompt: list[int] = result.engine_input
+    return prompt

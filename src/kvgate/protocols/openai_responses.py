@@ -3,7 +3,9 @@
 vLLM renders a Responses body for a chat-template model as a chat request (its input
 items as chat messages, its function and custom tools as chat tools, its reasoning effort
 as the template's), so the canonical request is that converted chat request
-(``kvgate.responses_api.requests``) and its prompt is counted as any chat prompt. The
+(``kvgate.responses_api.requests``) and its prompt is counted as any chat prompt; on a
+gpt-oss model vLLM renders the body through its own harmony path, whose conversation the
+messages carry (``kvgate.responses_api.harmony``). The
 client's own body is forwarded, rewritten only for a budget fallback's model or the
 reserved ``max_output_tokens`` (a clamp's, or the cap kvgate reserved for a body without
 one). Responses streams always end with the response and its usage
@@ -42,6 +44,7 @@ from kvgate.responses_api import (
     completeness,
     parse_responses_request,
     rewrite_responses_body,
+    with_harmony_prompt,
 )
 
 
@@ -53,7 +56,8 @@ class OpenAIResponses(ApiProtocol):
 
     def parse(self, body: bytes) -> ParsedRequest:
         try:
-            return parse_responses_request(body)
+            # Its messages carry the harmony conversation a gpt-oss model renders instead.
+            return with_harmony_prompt(parse_responses_request(body))
         except ApiError as error:
             raise ClientError(error) from None
 

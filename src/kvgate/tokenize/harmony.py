@@ -23,6 +23,13 @@ turn, and rewrites prior tool-call headers to the older layout vLLM feeds gpt-os
 (``assistant to=R<|channel|>C T`` instead of ``assistant<|channel|>C to=R <|constrain|>T``).
 Completions prompts and token-id prompts take the Hugging Face path (``PromptCounter``);
 output text is counted as plain text.
+
+A Responses request is not rendered as a chat: vLLM builds its harmony messages from the
+input items directly (``vllm/renderers/online_renderer.py``:
+``_render_responses_with_harmony``). Its converted chat messages arrive here as
+:class:`HarmonyChatMessages`, which carry that conversation (:class:`HarmonyPrompt`, built by
+``kvgate.responses_api.harmony``); this counter renders it instead of the chat messages, and
+any other counter sees only the chat messages.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import copy
 import datetime
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 from kvgate.tokenize.counter import CountPlan, PromptCounter
 from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
@@ -39,6 +47,49 @@ from kvgate.tokenize.messages import parse_messages
 
 if TYPE_CHECKING:
     from openai_harmony import HarmonyEncoding, Message
+
+
+#: The reasoning efforts harmony renders (vLLM refuses any other on a gpt-oss model).
+HARMONY_EFFORTS: Final = ("low", "medium", "high")
+
+
+@dataclass(frozen=True, slots=True)
+class HarmonyTurn:
+    """One harmony message of the conversation, as vLLM builds it from an input item.
+    ``instructions``: a system or developer item, rendered as vLLM's instructions message
+    (developer, or system with VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS) holding ``texts``
+    joined."""
+
+    role: str
+    texts: tuple[str, ...]
+    channel: str | None = None
+    recipient: str | None = None
+    content_type: str | None = None
+    author_name: str | None = None
+    instructions: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HarmonyPrompt:
+    """A request vLLM renders through harmony directly (not as a chat): the preamble's
+    ``instructions``, function ``tools`` (name, description, parameters) and
+    ``reasoning_effort``, then the ``turns``. ``refusal``: why vLLM's harmony path cannot
+    render the request (the message names the field), or None."""
+
+    instructions: str | None
+    tools: tuple[tuple[str, str, dict[str, Any] | None], ...] | None
+    reasoning_effort: str | None
+    turns: tuple[HarmonyTurn, ...]
+    refusal: str | None = None
+
+
+class HarmonyChatMessages(list[dict[str, Any]]):
+    """Chat messages (what a chat-template model renders) that a gpt-oss model renders as
+    ``harmony`` instead: vLLM's harmony path for the API builds its own messages."""
+
+    def __init__(self, messages: list[dict[str, Any]], harmony: HarmonyPrompt) -> None:
+        super().__init__(messages)
+        self.harmony = harmony
 
 
 def load_harmony_encoding() -> HarmonyEncoding:
@@ -100,6 +151,12 @@ class HarmonyPromptCounter(PromptCounter):
         # vLLM's harmony path renders for a new assistant turn whatever these say.
         del add_generation_prompt, continue_final_message, chat_template_kwargs
         del add_special_tokens
+        if isinstance(messages, HarmonyChatMessages):
+            # The API's own harmony messages (its tools are in them, as vLLM reads them).
+            prompt = messages.harmony
+            conversation = self.prompt_messages(prompt)
+            chars = sum(len(text) for turn in prompt.turns for text in turn.texts)
+            return CountPlan(0, [], 2 * chars, (lambda: len(self.render(conversation)),))
         conversation = self.harmony_messages(messages, tools)
         chars = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, Mapping))
         # Weighed against the compiled BPE's characters (the service's inline bound): a
@@ -125,6 +182,18 @@ class HarmonyPromptCounter(PromptCounter):
                 tools,
                 in_system=self.instructions_in_system,
             )
+        except PromptRenderError:
+            raise
+        except Exception as exc:  # the library's own validation
+            raise PromptRenderError(f"the request does not fit the harmony format: {exc}") from exc
+
+    def prompt_messages(self, prompt: HarmonyPrompt) -> list[Message]:
+        """The harmony messages vLLM renders for ``prompt``: its preamble (vLLM's
+        ``build_harmony_preamble``), then its turns."""
+        if prompt.refusal is not None:
+            raise PromptRenderError(prompt.refusal)
+        try:
+            return _prompt_messages(prompt, in_system=self.instructions_in_system)
         except PromptRenderError:
             raise
         except Exception as exc:  # the library's own validation
@@ -227,16 +296,20 @@ def _joined_text(content: Any) -> str | None:
     return "".join(present) if present else None
 
 
-def _system_message(instructions: str | None = None) -> Message:
-    from openai_harmony import Message, Role, SystemContent
+def _system_message(instructions: str | None = None, effort: str | None = None) -> Message:
+    from openai_harmony import Message, ReasoningEffort, Role, SystemContent
 
     content = SystemContent.new()
+    if effort is not None:
+        content = content.with_reasoning_effort(ReasoningEffort(effort.capitalize()))
     if instructions is not None:  # only when instructions go to the system message
         identity = content.model_identity
         content = content.with_model_identity(
             f"{identity}\n{instructions}" if identity else instructions
         )
-    # vLLM dates the conversation with the server's local date (the same token count any day).
+    # vLLM dates the conversation with the server's local date: every YYYY-MM-DD date is
+    # the same number of tokens, so a day boundary or time zone between the two cannot
+    # change the count (tests/responses_api/test_harmony_prompt.py renders every day).
     today = datetime.datetime.now().strftime("%Y-%m-%d")
     return Message.from_role_and_content(Role.SYSTEM, content.with_conversation_start_date(today))
 
@@ -374,3 +447,46 @@ def _drop_stale_analysis(messages: list[Any]) -> list[Any]:
         default=-1,
     )
     return [m for i, m in enumerate(messages) if not (i < last_final and m.channel == "analysis")]
+
+
+def _prompt_messages(prompt: HarmonyPrompt, *, in_system: bool) -> list[Any]:
+    from openai_harmony import Author, Message, Role, TextContent
+
+    tools = (
+        [
+            {
+                "type": "function",
+                "function": {"name": name, "description": description, "parameters": parameters},
+            }
+            for name, description, parameters in prompt.tools
+        ]
+        if prompt.tools is not None
+        else None
+    )
+    instructions = prompt.instructions
+    out = [_system_message(instructions if in_system else None, prompt.reasoning_effort)]
+    if (instructions and not in_system) or tools:
+        out.append(_developer_message(instructions, tools, in_system=in_system))
+    for turn in prompt.turns:
+        if turn.instructions:
+            text = "".join(turn.texts)
+            if turn.role == "system" and in_system:
+                out.append(_system_message(text))
+            else:
+                out.append(_developer_message(text, None, in_system=in_system))
+            continue
+        contents = [TextContent(text=text) for text in turn.texts]
+        if turn.author_name is not None:
+            message = Message(
+                author=Author.new(Role(turn.role), turn.author_name), content=contents
+            )
+        else:
+            message = Message.from_role_and_contents(Role(turn.role), contents)
+        if turn.channel is not None:
+            message = message.with_channel(turn.channel)
+        if turn.recipient is not None:
+            message = message.with_recipient(turn.recipient)
+        if turn.content_type is not None:
+            message = message.with_content_type(turn.content_type)
+        out.append(message)
+    return out
