@@ -18,6 +18,11 @@ from kvgate.responses_api import parse_responses_request, with_harmony_prompt
 from kvgate.tokenize import PromptRenderError, load_counter
 from kvgate.tokenize.harmony import HarmonyChatMessages, HarmonyPromptCounter
 from testbed.engine_models import gpt_oss_model_dir
+from vllm_sim.engine_tokenizers import HarmonySimTokenizer
+from vllm_sim.responses_harmony import harmony_messages, refuse_logprobs, render_harmony
+from vllm_sim.responses_protocol import ResponsesError
+from vllm_sim.responses_protocol import ResponsesRequest as SimResponsesRequest
+from vllm_sim.responses_protocol import VLLMValidationError as SimValidationError
 
 from .vllm_oracle import ORACLE, HarmonyRefusal, VLLMValidationError, vllm_harmony_prompt
 
@@ -429,3 +434,31 @@ def test_every_date_has_the_same_token_count(counter: HarmonyPromptCounter) -> N
         counts.setdefault(len(encoding.render_conversation(conversation)), day.isoformat())
         day += datetime.timedelta(days=1)
     assert len(counts) == 1, counts
+
+
+# -- the simulator ------------------------------------------------------------------------------
+
+
+def sim_ids(tokenizer: HarmonySimTokenizer, body: dict[str, Any]) -> list[int] | None:
+    """The simulator's prompt ids for ``body`` on a gpt-oss model, or None when it refuses."""
+    try:
+        request = SimResponsesRequest.model_validate(json.loads(json.dumps(body)))
+        refuse_logprobs(request)
+        return render_harmony(tokenizer, harmony_messages(tokenizer, request))
+    except (ResponsesError, SimValidationError, pydantic.ValidationError):
+        return None
+
+
+@needs_oracle
+def test_the_simulator_renders_what_vllm_renders() -> None:
+    tokenizer = HarmonySimTokenizer(gpt_oss_model_dir())
+    day = datetime.date.today()
+    compared = 0
+    for seed in range(GENERATED_BODIES):
+        body = generated_body(seed)
+        expected = vllm_ids(body)
+        assert sim_ids(tokenizer, body) == expected, f"seed {seed}: {body}"
+        compared += expected is not None
+    if datetime.date.today() != day:
+        pytest.skip("the date changed while rendering")
+    assert compared > GENERATED_BODIES // 2

@@ -1,5 +1,6 @@
 """``POST /v1/responses`` (and its stored-response routes) as vLLM 0.34 serves them for a
-model on the chat-template path (not gpt-oss's harmony path).
+model on the chat-template path; on a gpt-oss model the prompt is vLLM's harmony rendering
+of the request (:mod:`vllm_sim.responses_harmony`), the rest as below.
 
 vLLM's Responses handler converts the request's ``instructions`` and ``input`` items into chat
 messages (:mod:`vllm_sim.responses_protocol`), renders them with the chat template and runs
@@ -63,6 +64,7 @@ from vllm_sim.anthropic import (
 )
 from vllm_sim.engine_tokenizers import HarmonySimTokenizer, MistralSimTokenizer
 from vllm_sim.record import RequestRecord
+from vllm_sim.responses_harmony import harmony_messages, refuse_logprobs, render_harmony
 from vllm_sim.responses_protocol import (
     ResponsesError,
     ResponsesRequest,
@@ -165,6 +167,8 @@ class ResponsesRoutes:
                 "NotFoundError",
                 "model",
             )
+        if isinstance(self.sim.tokenizer, HarmonySimTokenizer):
+            refuse_logprobs(req)
         if req.store and not STORE_ENABLED and req.background:
             raise ResponsesError.invalid(BACKGROUND_NEEDS_STORE, "background")
         if req.previous_input_messages and req.previous_response_id:
@@ -183,21 +187,18 @@ class ResponsesRoutes:
     def render(self, req: ResponsesRequest) -> list[int]:
         """The conversion and the chat rendering (vLLM's ``render_responses``)."""
         sim = self.sim
+        if isinstance(sim.tokenizer, HarmonySimTokenizer):
+            # gpt-oss: vLLM renders the request itself through harmony, not as a chat.
+            conversation = harmony_messages(sim.tokenizer, req)
+            self._check_max_output_tokens(req)
+            ids = render_harmony(sim.tokenizer, conversation)
+            return self._within_context(ids, exact=True)
         try:
             messages = construct_input_messages(req)
         except VLLMValidationError as exc:
             raise ResponsesError.from_validation(exc) from exc
         tools = construct_tool_dicts(req, sim.chat_flags.exclude_tools_when_tool_choice_none)
-        limit = sim.max_model_len
-        if req.max_output_tokens is not None and req.max_output_tokens > limit:
-            raise ResponsesError.from_validation(
-                VLLMValidationError(
-                    f"max_output_tokens={req.max_output_tokens} cannot be greater than "
-                    f"max_model_len={limit}. Please request fewer output tokens.",
-                    parameter="max_output_tokens",
-                    value=req.max_output_tokens,
-                )
-            )
+        self._check_max_output_tokens(req)
         continue_final = should_continue_final_message(req.input)
         chat = ChatMessages(messages)
         chat.reasoning_effort = req.reasoning.effort if req.reasoning is not None else None
@@ -216,9 +217,25 @@ class ResponsesRoutes:
             )
         except PromptError as exc:
             raise ResponsesError(400, str(exc)) from exc
+        return self._within_context(ids, exact=isinstance(sim.tokenizer, MistralSimTokenizer))
+
+    def _check_max_output_tokens(self, req: ResponsesRequest) -> None:
+        limit = self.sim.max_model_len
+        if req.max_output_tokens is not None and req.max_output_tokens > limit:
+            raise ResponsesError.from_validation(
+                VLLMValidationError(
+                    f"max_output_tokens={req.max_output_tokens} cannot be greater than "
+                    f"max_model_len={limit}. Please request fewer output tokens.",
+                    parameter="max_output_tokens",
+                    value=req.max_output_tokens,
+                )
+            )
+
+    def _within_context(self, ids: list[int], *, exact: bool) -> list[int]:
+        """``ids`` when they fit ``max_model_len``; a prompt tokenized with truncation at
+        ``max_model_len + 1`` (not ``exact``) reports that many tokens."""
+        limit = self.sim.max_model_len
         if len(ids) > limit:
-            # A text prompt is tokenized with truncation at max_model_len + 1.
-            exact = isinstance(sim.tokenizer, MistralSimTokenizer | HarmonySimTokenizer)
             seen = len(ids) if exact else limit + 1
             qualifier = "at least " if seen == limit + 1 else ""
             raise ResponsesError.from_validation(
