@@ -127,6 +127,8 @@ def stack() -> Iterator[Stack]:
         sim=SimOptions(
             num_gpu_blocks=KV_BUDGET // KV_BLOCK, block_size=KV_BLOCK, max_model_len=MAX_CONTEXT
         ),
+        # The exact-match cache serves greedy requests: never one whose image is fetched.
+        kvgate_overrides={"response_cache": {"enabled": True}},
     ) as running:
         yield running
 
@@ -274,6 +276,30 @@ def test_an_http_image_is_reserved_at_the_maximum_and_billed_as_served(
     }
     assert charged_since(stack, before, expected) == expected
     wait_kv_idle(stack)
+
+
+def test_the_answer_to_a_fetched_image_is_never_served_from_the_cache(
+    stack: Stack, client: OpenAI, image_server: str
+) -> None:
+    """The same greedy request twice: with a data: image the second is the cache's answer;
+    with an http image both reach the engine (the image behind the URL can change)."""
+    cases = {
+        "data": (image_chat(data_url(png(96, 96)), "cache me"), 1),
+        "http": (image_chat(f"{image_server}/dog.png", "cache me"), 2),
+    }
+    for name, (messages, reaching_the_engine) in cases.items():
+        wait_kv_idle(stack)
+        sim_reset(stack)
+        for _ in range(2):
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4, temperature=0
+            )
+        served = wait_until(
+            lambda: len(sim_stats(stack)["served"]),
+            lambda n, want=reaching_the_engine: n == want,
+            timeout=TIMEOUT_S,
+        )
+        assert served == reaching_the_engine, name
 
 
 # --------------------------------------------------------------------------- refusals

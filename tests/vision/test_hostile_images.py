@@ -209,3 +209,30 @@ def test_the_decode_runs_only_when_the_plan_is_finished(
     broken = counter.plan_chat(chat(url_of(b"garbage")))  # planning does not decode
     with pytest.raises(PromptRenderError):
         counter.finish(broken)
+
+
+def test_a_model_counted_by_its_engine_does_not_send_images_to_it() -> None:
+    """The engine's /tokenize would fetch an image URL with none of kvgate's checks (and
+    the generation request after it too): such a model refuses image parts before any call."""
+    from kvgate.tokenize.engine_counting import EngineCounter, EngineEndpoint
+
+    counter = EngineCounter(
+        EngineEndpoint("http://engine.invalid/tokenize"),
+        name="engine-counted",
+        timeout_s=0.5,
+        max_concurrency=1,
+        reserve_upper_bound=False,
+    )
+    for part in (
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}},
+        {"type": "input_image", "image_url": "http://10.0.0.1/x.png"},
+    ):
+        with pytest.raises(PromptRenderError, match=r"messages\[0\]\.content\[1\]"):
+            counter.chat_call(
+                [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}],
+                None,
+                add_generation_prompt=True,
+                continue_final_message=False,
+                chat_template_kwargs=None,
+                add_special_tokens=False,
+            )

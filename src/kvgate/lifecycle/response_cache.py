@@ -59,6 +59,7 @@ from kvgate.policy import (
     TenantPolicy,
 )
 from kvgate.store import StateStore
+from kvgate.tokenize.vision import fetched_images
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ class ExactCacheSource(AnswerSource):
             snapshot.config.response_cache,
             snapshot.tenant_configs.get(query.tenant.name),
             snapshot.model_configs.get(request.model),
-        )
+        ) and not fetched_images(request.messages)
         if not use:
             self._metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
         return use

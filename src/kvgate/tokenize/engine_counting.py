@@ -278,6 +278,7 @@ class EngineCounter:
 
         ``response_format`` goes along as sent: vLLM's renderers read it on both routes
         (Mistral, Cohere and Kimi models write it into the prompt)."""
+        _refuse_images(messages)
         body: dict[str, Any] = {
             "model": self.name,
             "messages": messages,
@@ -379,6 +380,22 @@ def _generation_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
     merged["reasoning_effort"] = effort
     merged.setdefault("enable_thinking", effort != "none")
     return merged
+
+
+def _refuse_images(messages: list[dict[str, Any]]) -> None:
+    """Image parts are not sent to a counting engine: its /tokenize would fetch their URLs
+    with none of kvgate's checks (docs/counting.md, "Images"), and the generation request
+    after it too."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
+                raise PromptRenderError(
+                    f"messages[{i}].content[{j}]: images are not counted for a model counted "
+                    "by its engine (counting: engine)"
+                )
 
 
 def _is_token_id(value: Any) -> bool:

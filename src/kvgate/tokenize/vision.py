@@ -210,6 +210,29 @@ def load_vision_spec(model_dir: Path | str) -> VisionSpec | None:
     return VisionSpec(str(model_type), patch, merge, min_pixels, max_pixels)
 
 
+def fetched_images(messages: Any) -> bool:
+    """Whether a chat names an image by a URL the engine fetches: its answer is not a function
+    of the request's bytes (the image behind the URL can change), so no cache may keep it."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") not in (
+                "image_url",
+                "input_image",
+            ):
+                continue
+            url = part.get("image_url")
+            if isinstance(url, Mapping):
+                url = url.get("url")
+            if not (isinstance(url, str) and url[:5].lower() == "data:"):
+                return True
+    return False
+
+
 # ------------------------------------------------------------------------- one image
 
 
