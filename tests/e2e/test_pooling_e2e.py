@@ -1,12 +1,16 @@
-"""Embeddings through the real Envoy -> kvgate -> simulator stack, with the official
-`openai` SDK (`client.embeddings.create`) and plain HTTP for vLLM's /pooling.
+"""Embeddings, pooling, rerank and score through the real Envoy -> kvgate -> simulator
+stack, with the official `openai` SDK (`client.embeddings.create`) and plain HTTP for vLLM's
+/pooling, rerank and score paths.
 
 The simulator serves /v1/embeddings with a real embedding model (WordLlama, its Llama-2
 vocabulary); kvgate counts each input with the same tokenizer file
 (testbed/pooling_models.py). On every request the prompt kvgate counted and reserved
 equals the engine's usage.prompt_tokens, the ledger books exactly that (no output
 tokens), a tenant over its TPM gets OpenAI's 429 with x-ratelimit-* headers, hostile
-bodies get a 400 naming the field, and nothing stays in flight.
+bodies get a 400 naming the field, and nothing stays in flight. The simulator also serves a
+reranker (the demo Qwen2 tokenizer with a Qwen3-Reranker-style score template,
+testbed/reranker_model.py), which kvgate counts with the same template
+(`engine_flags.chat_template`): each query-document pair one prompt.
 """
 
 from __future__ import annotations
@@ -38,8 +42,11 @@ from testbed.pooling_models import (
     WORDLLAMA_MODEL_NAME,
     wordllama_model_dir,
 )
+from testbed.reranker_model import RERANKER_MODEL_NAME, reranker_template
 
 MODEL = WORDLLAMA_MODEL_NAME
+# The simulator's context (its default max_model_len), which its reranker shares.
+RERANKER_MAX_CONTEXT = 32768
 TPM_LIMITED = "small-tpm"
 TPM = 400
 TIMEOUT_S = 10.0
@@ -58,13 +65,24 @@ def stack() -> Iterator[Stack]:
         # Only an input price: pooling generates nothing.
         "pricing": {"input_per_million": "1"},
     }
+    template = str(reranker_template())
+    reranker = {
+        "name": RERANKER_MODEL_NAME,
+        "tokenizer": str(_demo_model_dir()),
+        "max_context": RERANKER_MAX_CONTEXT,
+        "default_max_new_tokens": 16,
+        "backend": DEFAULT_BACKEND,
+        "pricing": {"input_per_million": "1"},
+        # The reranker's vLLM runs with --chat-template <the score template>.
+        "engine_flags": {"chat_template": template},
+    }
     with Stack(
         tenants=[
             {"name": DEMO_TENANT, "api_key": "sk-kvgate-demo"},
             {"name": TPM_LIMITED, "api_key": "sk-small-tpm", "limits": {"tpm": TPM}},
         ],
-        models=[*default_models(_demo_model_dir()), embedding_model],
-        sim={"extra_args": ["--embedding-model", "wordllama"]},
+        models=[*default_models(_demo_model_dir()), embedding_model, reranker],
+        sim={"extra_args": ["--embedding-model", "wordllama", "--score-template", template]},
     ) as running:
         yield running
 
@@ -270,4 +288,84 @@ def test_pooling_path_is_counted_and_metered_like_embeddings(stack: Stack) -> No
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
     billed = settled(stack, before, 1)
     assert (billed["prompt_tokens"], billed["output_tokens"]) == (served, 0)
+    nothing_in_flight(stack)
+
+
+# --------------------------------------------------------------------------- rerank, score
+
+QUERY = "What is the capital of France?"
+DOCUMENTS = ["Paris is the capital of France.", "Bananas are yellow.", "France is in Europe."]
+SCORING_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "rerank": ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}),
+    "v1 rerank": ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS}),
+    "v2 rerank with an instruction": (
+        "/v2/rerank",
+        {"query": QUERY, "documents": DOCUMENTS[:2], "instruction": "Find the capital"},
+    ),
+    "score 1:N": ("/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+    "v1 score N:N": ("/v1/score", {"queries": ["a", "b"], "documents": ["c", "d"]}),
+    "score truncated": (
+        "/score",
+        {"data_1": QUERY, "data_2": ["word " * 300], "truncate_prompt_tokens": 50},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCORING_BODIES))
+def test_scoring_is_counted_as_served_and_billed(stack: Stack, name: str) -> None:
+    path, fields = SCORING_BODIES[name]
+    before = tenant_totals(stack)
+    response = post(stack, path, {"model": RERANKER_MODEL_NAME, **fields})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    served = answer["usage"]["prompt_tokens"]
+    assert served > 0
+    assert kvgate_count(stack, response.headers["x-request-id"]) == served
+    billed = settled(stack, before, 1)
+    assert (billed["prompt_tokens"], billed["output_tokens"]) == (served, 0)
+    if "rerank" in path:
+        top_n = fields.get("top_n") or len(fields["documents"])
+        assert len(answer["results"]) == top_n
+    nothing_in_flight(stack)
+
+
+SCORING_HOSTILE: dict[str, tuple[str, dict[str, Any], str]] = {
+    "lengths neither 1:N nor N:N": (
+        "/score",
+        {"text_1": ["a", "b"], "text_2": ["x", "y", "z"]},
+        "text_1",
+    ),
+    "10k documents": ("/rerank", {"query": "q", "documents": ["d"] * 10_000}, "documents"),
+    "no documents": ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+    "a multimodal document": (
+        "/rerank",
+        {"query": "q", "documents": [{"content": [{"type": "text", "text": "d"}]}]},
+        "documents[0]",
+    ),
+    "nested junk": ("/score", {"text_1": "q", "text_2": ["d", ["x"]]}, "text_2[1]"),
+    "a document over the context": (
+        "/rerank",
+        {"query": "q", "documents": ["ok", "word " * (RERANKER_MAX_CONTEXT + 10)]},
+        "documents",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCORING_HOSTILE))
+def test_hostile_scoring_is_refused_naming_the_field(stack: Stack, name: str) -> None:
+    path, fields, param = SCORING_HOSTILE[name]
+    before = tenant_totals(stack)
+    response = post(stack, path, {"model": RERANKER_MODEL_NAME, **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert tenant_totals(stack) == before
+    nothing_in_flight(stack)
+
+
+def test_scoring_a_model_without_a_score_template_is_refused(stack: Stack) -> None:
+    """A model vLLM would score by its pair encoding: kvgate cannot count it, so it is
+    refused rather than counted low."""
+    response = post(stack, "/rerank", {"model": MODEL, "query": "q", "documents": ["d"]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "model"
     nothing_in_flight(stack)

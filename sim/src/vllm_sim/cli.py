@@ -126,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=8192,
         help="the embedding model's context length in tokens",
     )
+    p.add_argument(
+        "--score-template",
+        default=None,
+        help="also serve rerank and score (/rerank, /v1/rerank, /v2/rerank, /score, /v1/score) "
+        "as a cross-encoder with this score template (a file path or the template), on the "
+        "simulator's tokenizer",
+    )
+    p.add_argument(
+        "--score-served-model-name",
+        default="qwen3-reranker-demo",
+        help="model id for rerank and score",
+    )
     # vLLM 0.34's frontend flags that change a rendered chat (vllm_sim.chat_flags).
     p.add_argument(
         "--default-chat-template-kwargs",
@@ -188,6 +200,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         embedding_model=args.embedding_model,
         embedding_served_model_name=args.embedding_served_model_name,
         embedding_max_model_len=args.embedding_max_model_len,
+        score_template=load_chat_template(args.score_template),
+        score_served_model_name=args.score_served_model_name,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         reasoning_effort_map=args.reasoning_effort_map,
         # vLLM's load_chat_template at start-up: a path is read, a template kept.

@@ -67,6 +67,12 @@ class SimConfig:
     embedding_model: str | None = None
     embedding_served_model_name: str = "wordllama-l2-supercat"
     embedding_max_model_len: int = 8192
+    # POST /rerank, /v1/rerank, /v2/rerank, /score, /v1/score for a cross-encoder served with
+    # this score template (vLLM's --chat-template on a reranker), named
+    # score_served_model_name, on the simulator's tokenizer (vllm_sim.scoring). None: those
+    # paths answer as vLLM does for a model without the Score API.
+    score_template: str | None = None
+    score_served_model_name: str = "qwen3-reranker-demo"
     # vLLM's chat-rendering flags (see vllm_sim.chat_flags): --default-chat-template-kwargs,
     # --reasoning-effort-map, --chat-template (the template's text: the CLI reads a path as
     # vLLM does), --chat-template-content-format, --exclude-tools-when-tool-choice-none.

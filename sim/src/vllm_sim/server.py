@@ -335,6 +335,14 @@ class VllmSim:
         from vllm_sim.pooling import PoolingRoutes
 
         app.router.add_post("/pooling", PoolingRoutes(self).pooling)
+        # vLLM's rerank and score, for a cross-encoder with a score template.
+        from vllm_sim.scoring import RERANK_PATHS, SCORE_PATHS, ScoringRoutes, load_score_model
+
+        scoring = ScoringRoutes(self, load_score_model(self.config, self.max_model_len))
+        for path in RERANK_PATHS:
+            app.router.add_post(path, scoring.rerank)
+        for path in SCORE_PATHS:
+            app.router.add_post(path, scoring.score)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         # vLLM's Anthropic Messages API (imported here: the module builds on this one).

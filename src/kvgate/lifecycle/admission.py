@@ -117,6 +117,7 @@ class PromptTokenizers(Protocol):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
         tenant: str = "",
         cost: int | None = None,
         response_format: Any = None,
@@ -509,6 +510,8 @@ class Admission:
                         tool_choice=request.body.get("tool_choice"),
                     )
                 ]
+            if request.score_pairs is not None:
+                return await self._count_score_pairs(request, model, tenant)
             prompts = request.prompts()
             return [
                 await tokenizers.count_completion(
@@ -542,6 +545,46 @@ class Admission:
                     retry_after_s=unavailable.retry_after_s,
                 )
             ) from None
+
+    async def _count_score_pairs(
+        self, request: ParsedRequest, model: str, tenant: str
+    ) -> list[int]:
+        """A rerank or score request's prompts: each (query, document) pair rendered as
+        vLLM renders it for a model served with a score template (--chat-template): the
+        messages {"role": "query"} and {"role": "document"} through the template, no
+        generation prompt, tokenized with the tokenizer's special tokens. A model without
+        one is scored by its pair encoding, which kvgate does not count: refused."""
+        try:
+            template = self._tokenizers.counter(model).engine_flags.chat_template
+        except KeyError:
+            template = None
+        if template is None:
+            raise Rejected(
+                Rejection(
+                    Reason.UNRENDERABLE_PROMPT,
+                    f"This gateway meters rerank and score requests only for a model served "
+                    f"with a score template (vLLM's --chat-template); '{model}' has none.",
+                    param="model",
+                )
+            )
+        counts = []
+        for query, document in request.score_pairs or ():
+            messages = [
+                {"role": "query", "content": query},
+                {"role": "document", "content": document},
+            ]
+            counts.append(
+                await self._tokenizers.count_chat(
+                    model,
+                    messages,
+                    add_generation_prompt=False,
+                    chat_template_kwargs=request.chat_template_kwargs,
+                    add_special_tokens=True,
+                    tenant=tenant,
+                    cost=len(query) + len(document),
+                )
+            )
+        return counts
 
     async def _reserve(
         self,

@@ -125,6 +125,9 @@ class ParsedRequest:
     #: The field a refusal about the prompt names, when the API's is neither chat's nor
     #: completions' (a pooling API's "input", "documents"...).
     prompt_field: str | None = None
+    #: A rerank or score request's (query, document) pairs: one prompt each, rendered with
+    #: the model's score template (``prompt`` is None then).
+    score_pairs: list[tuple[str, str]] | None = field(default=None, repr=False)
 
     @property
     def generates(self) -> bool:

@@ -44,7 +44,7 @@ def _describe(value: object) -> str:
     return "null" if value is None else kinds.get(type(value), "an unsupported value")
 
 
-def _type_error(param: str, expected: str, value: object) -> ApiError:
+def type_error(param: str, expected: str, value: object) -> ApiError:
     return invalid_request(
         f"Invalid type for '{param}': expected {expected}, but got {_describe(value)} instead.",
         param,
@@ -52,7 +52,7 @@ def _type_error(param: str, expected: str, value: object) -> ApiError:
     )
 
 
-def _unsupported(name: str, why: str) -> ApiError:
+def unsupported(name: str, why: str) -> ApiError:
     return invalid_request(
         f"'{name}' is not supported by this gateway: {why}.", name, "unsupported_parameter"
     )
@@ -63,7 +63,7 @@ def _token_ids(ids: list[Any], param: str) -> None:
         return
     for i, token in enumerate(ids):
         if type(token) is not int:
-            raise _type_error(f"{param}[{i}]", "an integer token id", token)
+            raise type_error(f"{param}[{i}]", "an integer token id", token)
         if token < 0:
             raise invalid_request(
                 f"Invalid '{param}[{i}]': token ids must be >= 0, but got {token}.",
@@ -88,7 +88,7 @@ def parse_inputs(value: object, param: str = "input") -> tuple[list[str] | list[
     if type(value) is str:
         return [value], False
     if type(value) is not list:
-        raise _type_error(param, _INPUT_TYPES, value)
+        raise type_error(param, _INPUT_TYPES, value)
     if not value:
         raise invalid_request(
             f"Invalid '{param}': empty array. Expected at least one input.", param, "empty_array"
@@ -102,12 +102,12 @@ def parse_inputs(value: object, param: str = "input") -> tuple[list[str] | list[
     if first is str:
         for i, item in enumerate(value):
             if type(item) is not str:
-                raise _type_error(f"{param}[{i}]", "a string", item)
+                raise type_error(f"{param}[{i}]", "a string", item)
         return value, False
     if first is list:
         for i, item in enumerate(value):
             if type(item) is not list:
-                raise _type_error(f"{param}[{i}]", "an array of token ids", item)
+                raise type_error(f"{param}[{i}]", "an array of token ids", item)
             if not item:
                 raise invalid_request(
                     f"Invalid '{param}[{i}]': empty array. Expected at least one token id.",
@@ -117,13 +117,11 @@ def parse_inputs(value: object, param: str = "input") -> tuple[list[str] | list[
             _token_ids(item, f"{param}[{i}]")
         return value, True
     if first is dict:
-        raise _unsupported(
-            param, "it cannot count chat conversations given as embedding inputs yet"
-        )
-    raise _type_error(f"{param}[0]", "a string, a token id or an array of token ids", value[0])
+        raise unsupported(param, "it cannot count chat conversations given as embedding inputs yet")
+    raise type_error(f"{param}[0]", "a string, a token id or an array of token ids", value[0])
 
 
-def _model(obj: dict[str, Any]) -> str:
+def parse_model(obj: dict[str, Any]) -> str:
     model = obj.get("model")
     if model is None:
         # vLLM would serve its default model; kvgate must know which model it reserves on.
@@ -131,7 +129,7 @@ def _model(obj: dict[str, Any]) -> str:
             "Missing required parameter: 'model'.", "model", "missing_required_parameter"
         )
     if type(model) is not str:
-        raise _type_error("model", "a string", model)
+        raise type_error("model", "a string", model)
     if not model:
         raise invalid_request(
             "Invalid 'model': empty string. Expected a model name.", "model", "invalid_value"
@@ -144,7 +142,7 @@ def _opt_int(obj: dict[str, Any], key: str, minimum: int) -> int | None:
     if value is None:
         return None
     if type(value) is not int:
-        raise _type_error(key, "an integer", value)
+        raise type_error(key, "an integer", value)
     if value < minimum:
         raise invalid_request(
             f"Invalid '{key}': must be >= {minimum}, but got {value}.", key, "invalid_value"
@@ -166,11 +164,11 @@ def parse_pooling_request(path: str, body: bytes) -> ParsedRequest:
     """The canonical request of an embeddings or pooling body; ``ApiError`` (400 naming
     the field) for one kvgate cannot accept."""
     obj = load_json_object(body)
-    model = _model(obj)
+    model = parse_model(obj)
     if obj.get("messages") is not None:
-        raise _unsupported("messages", "it cannot count chat conversations given as inputs yet")
+        raise unsupported("messages", "it cannot count chat conversations given as inputs yet")
     if obj.get("data") is not None:
-        raise _unsupported("data", "it cannot count what an input plug-in makes of its data")
+        raise unsupported("data", "it cannot count what an input plug-in makes of its data")
     if "input" not in obj or obj["input"] is None:
         raise invalid_request(
             "Missing required parameter: 'input'.", "input", "missing_required_parameter"
@@ -179,7 +177,7 @@ def parse_pooling_request(path: str, body: bytes) -> ParsedRequest:
     encoding = obj.get("encoding_format")
     if encoding is not None:
         if type(encoding) is not str:
-            raise _type_error("encoding_format", "a string", encoding)
+            raise type_error("encoding_format", "a string", encoding)
         if encoding not in _JSON_FORMATS:
             raise invalid_request(
                 f"Invalid 'encoding_format': '{encoding[:32]}' is not supported by this gateway "
@@ -191,12 +189,12 @@ def parse_pooling_request(path: str, body: bytes) -> ParsedRequest:
     truncate = _opt_int(obj, "truncate_prompt_tokens", -1)
     _opt_choice(obj, "truncation_side", ("left", "right"))
     if _opt_choice(obj, "padding", ("max_length", "do_not_pad")) == "max_length":
-        raise _unsupported("padding", "it cannot count prompts padded to the model's length")
+        raise unsupported("padding", "it cannot count prompts padded to the model's length")
     special = obj.get("add_special_tokens")
     if special is not None and type(special) is not bool:
-        raise _type_error("add_special_tokens", "a boolean", special)
+        raise type_error("add_special_tokens", "a boolean", special)
     if obj.get("mm_processor_kwargs") is not None:
-        raise _unsupported("mm_processor_kwargs", "it cannot count multimodal inputs")
+        raise unsupported("mm_processor_kwargs", "it cannot count multimodal inputs")
     return ParsedRequest(
         kind="pooling",
         path=path.partition("?")[0],

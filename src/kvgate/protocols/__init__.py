@@ -12,7 +12,13 @@ from kvgate.anthropic import errors as anthropic_errors
 from kvgate.lifecycle.protocol import ApiProtocol, PromptCountApi, UnmeteredApi
 from kvgate.openai import CHAT_PATH, COMPLETIONS_PATH
 from kvgate.openai import errors as openai_errors
-from kvgate.pooling import EMBEDDINGS_PATH, POOLING_PATH
+from kvgate.pooling import (
+    EMBEDDINGS_PATH,
+    POOLING_PATH,
+    RERANK_PATHS,
+    SCORE_PATHS,
+    parse_scoring_request,
+)
 from kvgate.protocols.anthropic_messages import AnthropicCountTokens, AnthropicMessages
 from kvgate.protocols.openai_generation import OpenAIGeneration
 from kvgate.protocols.openai_pooling import OpenAIPooling
@@ -34,6 +40,9 @@ OPENAI_RESPONSES = OpenAIResponses()
 # generated: reserved and charged for their input tokens only).
 EMBEDDINGS = OpenAIPooling("embeddings", EMBEDDINGS_PATH)
 POOLING = OpenAIPooling("pooling", POOLING_PATH)
+# vLLM's rerank and score (query-document pairs through the model's score template).
+RERANK = tuple(OpenAIPooling("rerank", path, parse_scoring_request) for path in RERANK_PATHS)
+SCORE = tuple(OpenAIPooling("score", path, parse_scoring_request) for path in SCORE_PATHS)
 
 # The metered APIs by request path (query string aside).
 METERED_APIS: dict[str, ApiProtocol] = {
@@ -45,6 +54,8 @@ METERED_APIS: dict[str, ApiProtocol] = {
         OPENAI_RESPONSES,
         EMBEDDINGS,
         POOLING,
+        *RERANK,
+        *SCORE,
     )
 }
 
@@ -70,5 +81,7 @@ __all__ = [
     "OPENAI_RESPONSES",
     "POOLING",
     "PROMPT_COUNT_APIS",
+    "RERANK",
+    "SCORE",
     "UNMETERED_APIS",
 ]

@@ -1,13 +1,15 @@
-"""vLLM's pooling APIs as kvgate meters them: OpenAI's embeddings (``POST /v1/embeddings``)
-and vLLM's ``POST /pooling``.
+"""vLLM's pooling APIs as kvgate meters them: OpenAI's embeddings (``POST /v1/embeddings``),
+vLLM's ``POST /pooling``, and vLLM's rerank (``/rerank``, ``/v1/rerank``, ``/v2/rerank``)
+and score (``/score``, ``/v1/score``) for a model served with a score template.
 
-The canonical request is a ``pooling`` request (``kvgate.pooling``): its inputs are the
-prompts the engine encodes, counted as completions prompts and truncated as the engine
+The canonical request is a ``pooling`` request (``kvgate.pooling``): its inputs (or its
+query-document pairs, rendered with the model's score template) are the prompts the
+engine encodes, counted as completions prompts and truncated as the engine
 truncates them; it generates nothing, so admission reserves the prompt's KV, tokens and
 money with no output and writes no cap into the body. The client's body is forwarded as
-sent (only a budget fallback's ``model`` is rewritten). The answer is one JSON body whose
-``usage.prompt_tokens`` settles the bill (``PoolingMeter``). Refusals are OpenAI's, with
-x-ratelimit-* headers.
+sent (only a budget fallback's ``model`` is rewritten). The answer is one JSON body
+(``data``, or a rerank's ``results``) whose ``usage.prompt_tokens`` settles the bill
+(``PoolingMeter``). Refusals are OpenAI's, with x-ratelimit-* headers.
 
 The answer layer: an Idempotency-Key is honoured and the exact cache applies (keyed by the
 client's body and the path); an answer is kept only when complete by its grammar (a 200
@@ -17,6 +19,7 @@ JSON body with its usage). The semantic cache never applies: its rules are chat'
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from kvgate.lifecycle.answer_sources import SourceName
 from kvgate.lifecycle.protocol import AnswerMeter, ApiProtocol, ClientError
@@ -27,16 +30,20 @@ from kvgate.openai.completeness import AnswerDefect
 from kvgate.openai.responses import usage_from_mapping
 from kvgate.pooling import PoolingMeter, parse_pooling_request
 
+# Parses one pooling API's body into the canonical request (ApiError for a refusal).
+Parser = Callable[[str, bytes], ParsedRequest]
+
 
 class OpenAIPooling(ApiProtocol):
     answer_sources = frozenset({SourceName.IDEMPOTENCY, SourceName.EXACT_CACHE})
 
-    def __init__(self, name: str, path: str) -> None:
+    def __init__(self, name: str, path: str, parser: Parser = parse_pooling_request) -> None:
         super().__init__(name, path, openai_errors)
+        self._parser = parser
 
     def parse(self, body: bytes) -> ParsedRequest:
         try:
-            return parse_pooling_request(self.path, body)
+            return self._parser(self.path, body)
         except ApiError as error:
             raise ClientError(error) from None
 
@@ -68,7 +75,8 @@ class OpenAIPooling(ApiProtocol):
             return AnswerDefect.MALFORMED
         if "error" in answer:
             return AnswerDefect.ERROR
-        # vLLM's answer: {"object": "list", "data": [...], "usage": {...}}.
-        if type(answer.get("data")) is not list or usage_from_mapping(answer.get("usage")) is None:
+        # vLLM's answer: {"data": [...], "usage": {...}}; a rerank's {"results": [...], ...}.
+        items = answer.get("results") if "results" in answer else answer.get("data")
+        if type(items) is not list or usage_from_mapping(answer.get("usage")) is None:
             return AnswerDefect.MALFORMED
         return None
