@@ -37,6 +37,7 @@ from kvgate.cache.answers import (
 )
 from kvgate.cache.semantic import EntryLog, MemoryEntryLog, RedisEntryLog
 from kvgate.capacity.pools import PoolRegistry
+from kvgate.capacity.reconcile import Reconciler
 from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.config.secrets import redis_passwords, url_has_password
@@ -157,6 +158,8 @@ class KvgateServer:
         self.metrics.registry.register(CountingCollector(self.tokenizers))
         self.capacity = CapacityRegistry(metrics=self.metrics)
         self.pools = PoolRegistry(metrics=self.metrics)
+        # What kvgate booked per engine against the engines' own token counters.
+        self.reconciler = Reconciler((self.capacity, self.pools), self.store, self.metrics)
         self.scheduler = PoolScheduler(
             self.pools,
             self.store.backend_status,
@@ -339,6 +342,7 @@ class KvgateServer:
                 client_certs=self.operator_tls.client_certs_required,
             )
         await self._sync_capacity(self.config)
+        await self.reconciler.start()
         for backend in self.snapshots.current.backends.values():
             self.metrics.kv_budget_tokens.labels(backend.name).set(backend.kv_budget_tokens)
             self.metrics.kv_tokens_in_flight.labels(backend.name).set(0)
@@ -510,7 +514,9 @@ class KvgateServer:
                 ),
             ],
         )
-        admin = AdminService(self.services, self.snapshots, self.reloader, self.pools)
+        admin = AdminService(
+            self.services, self.snapshots, self.reloader, self.pools, self.reconciler
+        )
         _add_admin_servicer(admin, self._admin)
         reflection.enable_server_reflection(
             (admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME),
@@ -550,6 +556,7 @@ class KvgateServer:
         await self.services.drain(timeout_s=10.0)
         if self._http is not None:
             await self._http.cleanup()
+        await self.reconciler.stop()
         await self.capacity.close()
         await self.pools.close()
         await self.store.close()

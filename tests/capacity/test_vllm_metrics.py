@@ -30,6 +30,12 @@ vllm:prefix_cache_queries_total{engine="0",model_name="meta-llama/Llama-3.1-8B-I
 # HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.234567e+06
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 89012.0
 # HELP vllm:num_preemptions_created Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_created gauge
 vllm:num_preemptions_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7e+09
@@ -58,6 +64,8 @@ def test_realistic_scrape() -> None:
         num_requests_waiting=3,
         num_preemptions_total=7,
         engines=1,
+        prompt_tokens_total=1_234_567,
+        generation_tokens_total=89_012,
     )
     # 446,560 x 0.4375 = 195,370 tokens in use.
     assert cap.kv_used_tokens == 195370

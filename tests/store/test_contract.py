@@ -483,6 +483,23 @@ async def test_settlement_is_idempotent(make_store: StoreFactory) -> None:
     assert await in_flight(store) == (0, 0)
 
 
+async def test_usage_is_booked_per_ledger_once(make_store: StoreFactory) -> None:
+    """What kvgate booked for each backend (or pool endpoint) it sent requests to: the side
+    reconciliation compares with the engines' own counters."""
+    store = make_store()
+    first = await admitted(store, req(95, 100, rid="a"))
+    second = await admitted(store, req(10, 10, rid="b", model="other"))
+    huge = await admitted(store, req(7, 7, rid="c", backend=HUGE))
+    assert await settle(store, first, 95, 7, cost=10)
+    assert await settle(store, second, 10, 3, cost=1, cause=SettleCause.DISCONNECTED)
+    assert await settle(store, huge, 7, 2)
+    assert not await settle(store, first, 95, 7, cost=10)  # a duplicate books nothing
+    assert await store.backend_totals() == {
+        B.name: UsageTotals(2, 105, 10, 0, 11),
+        HUGE.name: UsageTotals(1, 7, 2, 0, 0),
+    }
+
+
 async def test_an_expired_lease_frees_capacity_and_is_still_billed_once(
     make_store: StoreFactory, clock: ManualClock
 ) -> None:

@@ -161,6 +161,12 @@ def run_admin_command(args: argparse.Namespace) -> int:
                 print(json.dumps(MessageToDict(reply), indent=2))
             for b in reply.backends if not args.json else ():
                 _print_backend(b)
+        elif args.admin_command == "reconcile":
+            reply = call("Reconcile", admin_pb2.ReconcileRequest())
+            if args.json:
+                print(json.dumps(MessageToDict(reply), indent=2))
+            else:
+                _print_reconciliation(reply)
         else:
             reply = call("Reload", admin_pb2.ReloadRequest())
             if not reply.applied:
@@ -217,11 +223,30 @@ def _print_backend(backend: admin_pb2.Backend) -> None:
         )
 
 
+def _print_reconciliation(reply: admin_pb2.ReconcileResponse) -> None:
+    """The table: per engine, what it counted against what kvgate booked."""
+    print(
+        f"{'engine (ledger)':<28} {'engine prompt':>14} {'booked prompt':>14} {'unbooked':>10} "
+        f"{'engine output':>14} {'booked output':>14} {'unbooked':>10} {'restarts':>8} "
+        f"{'watching':>9}"
+    )
+    for e in reply.engines:
+        print(
+            f"{e.ledger:<28} {e.engine_prompt_tokens:>14} {e.booked_prompt_tokens:>14} "
+            f"{e.unbooked_prompt_tokens:>10} {e.engine_output_tokens:>14} "
+            f"{e.booked_output_tokens:>14} {e.unbooked_output_tokens:>10} "
+            f"{e.engine_restarts:>8} {e.watching_s:>8.0f}s"
+        )
+    if not reply.engines:
+        print("(no engine is scraped: give backends `discovery.metrics_url`)")
+
+
 def add_admin_commands(subparsers: Any) -> None:
     for name, help_text in (
         ("usage", "tenant usage and remaining budget"),
         ("backends", "backend KV budget and in-flight work"),
         ("reload", "re-read the config file"),
+        ("reconcile", "tokens booked per engine against the engines' own counters"),
     ):
         command = subparsers.add_parser(name, help=help_text)
         command.add_argument("--admin", default="127.0.0.1:50052", help="admin API address")

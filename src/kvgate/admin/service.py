@@ -9,6 +9,7 @@ import grpc
 
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.capacity.pools import PoolRegistry
+from kvgate.capacity.reconcile import Reconciler
 from kvgate.config import SnapshotHolder
 from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle.usage_report import tenant_usage_report
@@ -61,11 +62,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         snapshots: SnapshotHolder,
         reloader: ConfigReloader | None,
         pools: PoolRegistry,
+        reconciler: Reconciler,
     ) -> None:
         self._services = services
         self._snapshots = snapshots
         self._reloader = reloader
         self._pools = pools
+        self._reconciler = reconciler
 
     async def GetTenantUsage(  # the gRPC method name
         self,
@@ -151,6 +154,28 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             max_concurrent_requests=limits.max_concurrent_requests,
             pool=True,
             endpoints=endpoints,
+        )
+
+    async def Reconcile(
+        self,
+        request: admin_pb2.ReconcileRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.ReconcileRequest, admin_pb2.ReconcileResponse],
+    ) -> admin_pb2.ReconcileResponse:
+        return admin_pb2.ReconcileResponse(
+            engines=[
+                admin_pb2.EngineReconciliation(
+                    ledger=row.ledger,
+                    engine_prompt_tokens=row.engine_prompt_tokens,
+                    engine_output_tokens=row.engine_output_tokens,
+                    booked_prompt_tokens=row.booked_prompt_tokens,
+                    booked_output_tokens=row.booked_output_tokens,
+                    unbooked_prompt_tokens=row.unbooked_prompt_tokens,
+                    unbooked_output_tokens=row.unbooked_output_tokens,
+                    engine_restarts=row.engine_restarts,
+                    watching_s=row.watching_s,
+                )
+                for row in self._reconciler.rows()
+            ]
         )
 
     async def Reload(

@@ -410,6 +410,18 @@ class PoolRegistry:
     def endpoint_states(self, pool: str) -> list[EndpointState]:
         return self._pools[pool].endpoint_states(self._clock())
 
+    def readings(self) -> dict[str, VllmCapacity]:
+        """The latest fresh reading of each endpoint's engine, by its ledger
+        (``pool/IP:PORT``), for reconciliation."""
+        now = self._clock()
+        found: dict[str, VllmCapacity] = {}
+        for name, pool in self._pools.items():
+            for address, monitor in pool.monitors.items():
+                reading = monitor.latest(now)
+                if reading is not None:
+                    found[endpoint_key(name, address)] = reading
+        return found
+
     def members(self, pool: str) -> Sequence[str]:
         return self._pools[pool].addresses
 

@@ -116,6 +116,12 @@ class CapacityRegistry:
         # Stale or missing metrics give "no_data", which never sheds.
         return policy.evaluate(monitor.latest(self._clock()) if monitor else None)
 
+    def readings(self) -> dict[str, VllmCapacity]:
+        """The latest fresh reading of each backend's engine (reconciliation)."""
+        now = self._clock()
+        found = {name: monitor.latest(now) for name, monitor in self._monitors.items()}
+        return {name: reading for name, reading in found.items() if reading is not None}
+
     async def close(self) -> None:
         for monitor in self._monitors.values():
             await monitor.stop()

@@ -27,6 +27,10 @@ KV_CACHE_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"
 REQUESTS_RUNNING = "vllm:num_requests_running"
 REQUESTS_WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions"
+# The engine's own token counters (counters: exposed with _total), read to reconcile what
+# kvgate booked with what the engine processed.
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
 
 _WANTED = frozenset(
     {
@@ -37,6 +41,10 @@ _WANTED = frozenset(
         REQUESTS_WAITING,
         PREEMPTIONS,
         PREEMPTIONS + "_total",
+        PROMPT_TOKENS,
+        PROMPT_TOKENS + "_total",
+        GENERATION_TOKENS,
+        GENERATION_TOKENS + "_total",
     }
 )
 
@@ -60,6 +68,10 @@ class VllmCapacity:
     num_requests_waiting: int | None
     num_preemptions_total: int | None
     engines: int = 1
+    # Prompt tokens the engine prefilled and tokens it generated, since it started (summed
+    # over engines); None when not exposed.
+    prompt_tokens_total: int | None = None
+    generation_tokens_total: int | None = None
 
     @property
     def kv_used_tokens(self) -> int | None:
@@ -128,6 +140,8 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmCapacity
         num_requests_waiting=waiting,
         num_preemptions_total=_sum(preempt),
         engines=seen_engines,
+        prompt_tokens_total=_sum(samples.get(PROMPT_TOKENS + "_total", [])),
+        generation_tokens_total=_sum(samples.get(GENERATION_TOKENS + "_total", [])),
     )
 
 

@@ -61,6 +61,14 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.engine_unbooked_tokens = Gauge(
+            "kvgate_engine_unbooked_tokens",
+            "Tokens an engine counted (vllm:prompt_tokens_total, vllm:generation_tokens_total) "
+            "beyond what kvgate booked for that ledger (a backend or a pool's endpoint), since "
+            "this replica began watching; negative: booked more than the engine counted.",
+            ["backend", "kind"],
+            registry=r,
+        )
         self.kv_budget_tokens = Gauge(
             "kvgate_kv_budget_tokens",
             "The configured KV token budget of each backend.",

@@ -451,6 +451,17 @@ class FallbackStore:
             self._mark_down("usage", exc)
             raise
 
+    async def backend_totals(self) -> dict[str, UsageTotals]:
+        # What a replica admitted while the shared store was down is booked there once it is
+        # back (the settlement's `loc` replay), so the shared totals are the whole of them.
+        if not self._up:
+            raise StoreUnavailable("the shared state store is unavailable", self._retry_after_s)
+        try:
+            return await self._shared.backend_totals()
+        except StoreUnavailable as exc:
+            self._mark_down("usage", exc)
+            raise
+
     async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage:
         if not self._up:
             raise StoreUnavailable("the shared state store is unavailable", self._retry_after_s)

@@ -70,6 +70,7 @@ class MemoryStore:
         self._tenants: dict[str, TenantState] = {}
         self._policies: dict[str, TenantPolicy] = {}
         self._totals: dict[tuple[str, str], UsageTotals] = {}
+        self._backend_totals: dict[str, UsageTotals] = {}
         # (tenant, period key, model) -> totals: the daily and monthly ledger.
         self._ledger: dict[tuple[str, str, str], UsageTotals] = {}
         self._on_lease_expired = on_lease_expired
@@ -221,6 +222,7 @@ class MemoryStore:
         self._totals.setdefault((request.tenant, request.model), UsageTotals()).add(
             usage, cost_pico
         )
+        self._backend_totals.setdefault(request.backend, UsageTotals()).add(usage, cost_pico)
         for _, key in billed.hold.period_keys if billed.hold else ():
             self._ledger.setdefault((request.tenant, key, request.model), UsageTotals()).add(
                 usage, cost_pico
@@ -286,6 +288,9 @@ class MemoryStore:
 
     async def usage_totals(self) -> dict[tuple[str, str], UsageTotals]:
         return {key: replace(totals) for key, totals in self._totals.items()}
+
+    async def backend_totals(self) -> dict[str, UsageTotals]:
+        return {key: replace(totals) for key, totals in self._backend_totals.items()}
 
     async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage:
         keys = set(period_keys)

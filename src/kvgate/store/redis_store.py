@@ -686,6 +686,17 @@ class RedisStore:
             _add_field(totals.setdefault((tenant, model), UsageTotals()), field, value)
         return totals
 
+    async def backend_totals(self) -> dict[str, UsageTotals]:
+        raw: dict[Any, Any] = await self._bounded(
+            "backend_totals",
+            lambda: self._client.hgetall(f"{self._tag}:btot"),
+        )
+        totals: dict[str, UsageTotals] = {}
+        for name, value in raw.items():
+            backend, field = _text(name).rsplit("|", 1)
+            _add_field(totals.setdefault(backend, UsageTotals()), field, value)
+        return totals
+
     async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage:
         keys = sorted(set(period_keys))
         usage = TenantUsage()

@@ -141,3 +141,35 @@ class ReloadResponse(_message.Message):
     error: str
     generation: int
     def __init__(self, applied: _Optional[bool] = ..., error: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReconcileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineReconciliation(_message.Message):
+    __slots__ = ("ledger", "engine_prompt_tokens", "engine_output_tokens", "booked_prompt_tokens", "booked_output_tokens", "unbooked_prompt_tokens", "unbooked_output_tokens", "engine_restarts", "watching_s")
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BOOKED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BOOKED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNBOOKED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNBOOKED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    WATCHING_S_FIELD_NUMBER: _ClassVar[int]
+    ledger: str
+    engine_prompt_tokens: int
+    engine_output_tokens: int
+    booked_prompt_tokens: int
+    booked_output_tokens: int
+    unbooked_prompt_tokens: int
+    unbooked_output_tokens: int
+    engine_restarts: int
+    watching_s: float
+    def __init__(self, ledger: _Optional[str] = ..., engine_prompt_tokens: _Optional[int] = ..., engine_output_tokens: _Optional[int] = ..., booked_prompt_tokens: _Optional[int] = ..., booked_output_tokens: _Optional[int] = ..., unbooked_prompt_tokens: _Optional[int] = ..., unbooked_output_tokens: _Optional[int] = ..., engine_restarts: _Optional[int] = ..., watching_s: _Optional[float] = ...) -> None: ...
+
+class ReconcileResponse(_message.Message):
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineReconciliation]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineReconciliation, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReloadRequest.SerializeToString,
                 response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReloadResponse.FromString,
                 _registered_method=True)
+        self.Reconcile = channel.unary_unary(
+                '/kvgate.admin.v1.Admin/Reconcile',
+                request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileRequest.SerializeToString,
+                response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -87,6 +92,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reconcile(self, request, context):
+        """What kvgate booked per engine against the engines' own token counters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Reload,
                     request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReloadRequest.FromString,
                     response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReloadResponse.SerializeToString,
+            ),
+            'Reconcile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconcile,
+                    request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileRequest.FromString,
+                    response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class Admin:
             '/kvgate.admin.v1.Admin/Reload',
             kvgate_dot_admin_dot_v1_dot_admin__pb2.ReloadRequest.SerializeToString,
             kvgate_dot_admin_dot_v1_dot_admin__pb2.ReloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reconcile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.admin.v1.Admin/Reconcile',
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileRequest.SerializeToString,
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,4 +83,7 @@ end
 book(P .. ':tot', rec.t .. '|' .. rec.m .. '|')
 book(P .. ':l|' .. rec.t .. '|' .. rec.dk, rec.m .. '|')
 book(P .. ':l|' .. rec.t .. '|' .. rec.mk, rec.m .. '|')
+-- Per ledger a request held (a backend, or a pool's endpoint): what the engines were sent,
+-- reconciled with their own token counters.
+book(P .. ':btot', a.b .. '|')
 return cjson.encode({ ok = true, expired = expired, now = num(now) })
