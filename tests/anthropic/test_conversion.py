@@ -343,38 +343,12 @@ BASE: dict[str, Any] = {
                     {
                         "role": "user",
                         "content": [
-                            {
-                                "type": "image",
-                                "source": {
-                                    "type": "base64",
-                                    "media_type": "image/png",
-                                    "data": "AA==",
-                                },
-                            }
+                            {"type": "image", "source": {"type": "base64", "data": 5}},
                         ],
                     }
                 ]
             },
-            "messages.0.content.0: image content is not supported",
-        ),
-        (
-            {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {
-                                "type": "tool_result",
-                                "tool_use_id": "t",
-                                "content": [
-                                    {"type": "image", "source": {"type": "url", "url": "u"}}
-                                ],
-                            }
-                        ],
-                    }
-                ]
-            },
-            "messages.0.content.0.content.0: image content is not supported",
+            "messages.0.content.0.source.data: Input should be a valid string",
         ),
         (
             {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]},
@@ -457,6 +431,59 @@ def test_images_in_the_system_prompt_are_dropped_as_vllm_drops_them() -> None:
     ]
     if ORACLE is not None:
         same_as_vllm(body)
+
+
+IMAGES = {
+    **BASE,
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                },
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "snap", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [
+                        {"type": "text", "text": "taken"},
+                        {"type": "image", "source": {"type": "base64", "data": "BB=="}},
+                    ],
+                },
+                {"type": "image", "source": {"type": "base64", "media_type": "image/gif"}},
+            ],
+        },
+    ],
+}
+
+
+def test_images_become_the_image_parts_vllm_builds() -> None:
+    """Image blocks become chat image_url parts (a tool result's in a user message after the
+    tool message): the chat path's image rule counts them, or refuses them on a model
+    without one."""
+    messages = parse(IMAGES).messages or []
+    assert messages[0]["content"][1] == {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,AA=="},
+    }
+    assert messages[2]["role"] == "tool" and messages[3]["role"] == "user"
+    assert messages[3]["content"] == [
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,BB=="}}
+    ]
+    if ORACLE is not None:
+        same_as_vllm(IMAGES)
 
 
 def test_a_conversion_left_without_messages_is_refused() -> None:

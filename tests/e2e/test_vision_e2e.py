@@ -242,6 +242,36 @@ def test_a_responses_input_image_is_counted_exactly(
     assert response.usage.input_tokens == expected
 
 
+def test_an_anthropic_image_block_is_counted_exactly(stack: Stack, counter: PromptCounter) -> None:
+    from anthropic import Anthropic
+
+    raw = png(640, 360)
+    with Anthropic(
+        base_url=stack.base_url, api_key=stack.api_key(), max_retries=0, timeout=60.0
+    ) as sdk:
+        message = sdk.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in this picture?"},
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": base64.b64encode(raw).decode(),
+                            },
+                        },
+                    ],
+                }
+            ],
+        )
+    assert message.usage.input_tokens == counter.count_chat(image_chat(data_url(raw)))
+
+
 # --------------------------------------------------------------------------- http images
 
 

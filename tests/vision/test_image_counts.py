@@ -209,3 +209,54 @@ def test_a_responses_input_image_is_counted_as_the_engine(counter: PromptCounter
     request = responses_protocol.ResponsesRequest.model_validate(body)
     engine = sim.encode_chat(responses_protocol.construct_input_messages(request))
     assert counter.count_chat(parsed.messages or []) == len(engine)
+
+
+def test_anthropic_image_blocks_are_counted_as_the_engine(counter: PromptCounter, sim: Any) -> None:
+    """An Anthropic Messages body with images in a turn and in a tool result: kvgate's
+    conversion counted by kvgate equals vLLM's own conversion (its wheel's code) rendered and
+    expanded by the simulator."""
+    import json
+
+    from kvgate.anthropic.requests import parse_messages_request
+    from tests.anthropic.vllm_oracle import ORACLE, vllm_chat_request
+
+    if ORACLE is None:
+        pytest.skip("the vLLM 0.34 wheel is not available")
+    png_data = base64.b64encode(image_bytes(700, 500)).decode()
+    jpeg_data = base64.b64encode(image_bytes(64, 640, "JPEG")).decode()
+    body = {
+        "model": "qwen2.5-vl-demo",
+        "max_tokens": 16,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look:"},
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": png_data},
+                    },
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "snap", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [
+                            {"type": "text", "text": "taken"},
+                            {"type": "image", "source": {"type": "base64", "data": jpeg_data}},
+                        ],
+                    }
+                ],
+            },
+        ],
+    }
+    ours = parse_messages_request(json.dumps(body).encode())
+    theirs = vllm_chat_request(body)
+    assert counter.count_chat(ours.messages or []) == len(sim.encode_chat(theirs["messages"]))

@@ -33,8 +33,13 @@ The conversion, as vLLM does it:
   function tools (``input_schema`` -> ``parameters``, ``"type": "object"`` added last when
   missing), and with tools and no choice the choice is ``auto``.
 
+Image blocks (in a turn, or in a user's ``tool_result``, whose images vLLM puts in a user
+message after the tool message) become chat ``image_url`` parts as vLLM converts them (a
+``url`` source's URL, else a base64 data URL): the chat path's image rule counts them on a
+vision model and refuses them on any other (docs/counting.md, "Images").
+
 Refused here although vLLM would take them (kvgate cannot count them as the engine will):
-images anywhere in the prompt (as on the chat path), system-role turns inside
+system-role turns inside
 ``messages`` (vLLM merges them into the leading system message or not depending on the
 model's chat template: Anthropic's own API refuses them too) and with them the
 ``tool_addition``/``tool_removal`` blocks only such turns may hold, a ``tool_use`` without
@@ -239,13 +244,21 @@ def _blocks(value: object, path: str) -> list[dict[str, Any]]:
     return [_block(item, f"{path}.{i}") for i, item in enumerate(items)]
 
 
-def _image_refused(path: str) -> AnthropicError:
-    # As on the chat path: only text can be counted, an image would be admitted at an
-    # unknown cost.
-    return invalid_request(
-        f"{path}: image content is not supported by this gateway: it cannot count the "
-        "tokens of images"
-    )
+def _image_url(source: object, path: str) -> str:
+    """vLLM's ``_convert_image_source_to_url``: a ``url`` source's URL, anything else a
+    base64 data URL (``media_type`` defaulting to image/jpeg). The chat path's image rule
+    counts it, or refuses it on a model without one."""
+    if type(source) is not dict:
+        source = {}
+    if source.get("type") == "url":
+        return str(_typed(source.get("url", ""), str, f"{path}.source.url"))
+    media_type = _typed(source.get("media_type", "image/jpeg"), str, f"{path}.source.media_type")
+    data = _typed(source.get("data", ""), str, f"{path}.source.data")
+    return f"data:{media_type};base64,{data}"
+
+
+def _image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _not_billing(text: str) -> bool:
@@ -283,11 +296,13 @@ def _tool_call(block: dict[str, Any], path: str) -> dict[str, Any]:
     }
 
 
-def _user_tool_result(block: dict[str, Any], path: str) -> dict[str, Any]:
-    """A user turn's tool_result: the tool message vLLM places before the turn."""
+def _user_tool_result(block: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """A user turn's tool_result: the tool message vLLM places before the turn, and a user
+    message of the result's images after it."""
     content = block.get("content")
     text = ""
     references: list[dict[str, Any]] = []
+    images: list[str] = []
     if type(content) is str:
         text = content
     elif type(content) is list:
@@ -298,7 +313,9 @@ def _user_tool_result(block: dict[str, Any], path: str) -> dict[str, Any]:
                 value = item.get("text", "")
                 texts.append(_typed(value, str, f"{path}.content.{j}.text"))
             elif kind == "image":
-                raise _image_refused(f"{path}.content.{j}")
+                url = _image_url(item.get("source", {}), f"{path}.content.{j}")
+                if url:
+                    images.append(url)
             elif kind == "tool_reference":
                 name = item.get("tool_name") or item.get("name")
                 if name:
@@ -312,7 +329,10 @@ def _user_tool_result(block: dict[str, Any], path: str) -> dict[str, Any]:
         tool_content = references
         if text:
             tool_content.append({"type": "text", "text": text})
-    return {"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": tool_content}
+    tool = {"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": tool_content}
+    if not images:
+        return [tool]
+    return [tool, {"role": "user", "content": [_image_part(url) for url in images]}]
 
 
 def _messages(value: object) -> list[dict[str, Any]]:
@@ -355,7 +375,7 @@ def _messages(value: object) -> list[dict[str, Any]]:
                     parts.append({"type": "text", "text": block["text"]})
             elif kind == "image":
                 if block.get("source"):
-                    raise _image_refused(where)
+                    parts.append(_image_part(_image_url(block["source"], where)))
             elif kind == "thinking":
                 if block.get("thinking") is not None:
                     reasoning.append(block["thinking"])
@@ -363,7 +383,7 @@ def _messages(value: object) -> list[dict[str, Any]]:
                 calls.append(_tool_call(block, where))
             elif kind == "tool_result":
                 if role == "user":
-                    converted.append(_user_tool_result(block, where))
+                    converted.extend(_user_tool_result(block, where))
                 else:
                     result = block.get("content")
                     # Python's str() of the content, exactly as vLLM writes it.
@@ -375,7 +395,7 @@ def _messages(value: object) -> list[dict[str, Any]]:
         if calls:
             message["tool_calls"] = calls
         if parts:
-            if len(parts) == 1:
+            if len(parts) == 1 and parts[0]["type"] == "text":
                 message["content"] = parts[0]["text"]
             else:
                 message["content"] = parts
