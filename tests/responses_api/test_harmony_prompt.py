@@ -4,6 +4,7 @@ renders it: prompt token ids compared with the wheel's ``_render_responses_with_
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import random
@@ -16,6 +17,7 @@ from openai_harmony import Conversation, HarmonyError, Message, Role, SystemCont
 from kvgate.openai import ApiError
 from kvgate.responses_api import parse_responses_request, with_harmony_prompt
 from kvgate.tokenize import PromptRenderError, load_counter
+from kvgate.tokenize.engine_flags import EngineFlags
 from kvgate.tokenize.harmony import HarmonyChatMessages, HarmonyPromptCounter
 from testbed.engine_models import gpt_oss_model_dir
 from vllm_sim.engine_tokenizers import HarmonySimTokenizer
@@ -404,6 +406,42 @@ def test_an_image_is_refused_where_vllm_would_drop_it(counter: HarmonyPromptCoun
     assert refused.value.client_message.startswith("input[0].content[0]:")
 
 
+@needs_oracle
+@pytest.mark.parametrize("effort", ["none", "minimal", "high"])
+def test_the_servers_effort_map_rewrites_the_effort_first(
+    counter: HarmonyPromptCounter, effort: str
+) -> None:
+    """vLLM's --reasoning-effort-map applies before harmony reads the effort: "none" mapped
+    to "low" renders, "high" mapped to "xhigh" is refused."""
+    effort_map = {"none": "low", "minimal": "medium", "high": "xhigh"}
+    body = {"model": "gpt-oss-demo", "input": "x", "reasoning": {"effort": effort}}
+    request = with_harmony_prompt(parse_responses_request(json.dumps(body).encode()))
+    flags = EngineFlags(reasoning_effort_map=effort_map)
+    kwargs = flags.template_kwargs(request.chat_template_kwargs)
+    expected = None
+    with contextlib.suppress(VLLMValidationError):
+        expected = vllm_harmony_prompt(body, effort_map)
+    # The simulator maps it as vLLM does.
+    tokenizer = HarmonySimTokenizer(gpt_oss_model_dir())
+    simulated = None
+    with contextlib.suppress(ResponsesError):
+        sim_request = SimResponsesRequest.model_validate(body)
+        simulated = render_harmony(tokenizer, harmony_messages(tokenizer, sim_request, effort_map))
+    assert simulated == expected
+    try:
+        plan = counter.plan_chat(request.messages or [], chat_template_kwargs=kwargs)
+    except PromptRenderError as refused:
+        assert expected is None
+        assert refused.client_message.startswith("reasoning.effort:")
+        return
+    assert expected is not None
+    assert counter.finish(plan) == len(expected)
+    harmony = request.messages
+    assert isinstance(harmony, HarmonyChatMessages)
+    mapped = effort_map[effort]
+    assert counter.render(counter.prompt_messages(harmony.harmony, effort=mapped)) == expected
+
+
 def test_a_chat_template_model_counts_the_chat_conversion() -> None:
     """Only the harmony counter reads the conversation: the messages are the chat ones."""
     body = {
@@ -411,12 +449,13 @@ def test_a_chat_template_model_counts_the_chat_conversion() -> None:
         "instructions": "Be brief.",
         "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}],
         "reasoning": {"effort": "none"},
+        "tools": [{"type": "custom", "name": "free"}],
     }
     request = with_harmony_prompt(parse_responses_request(json.dumps(body).encode()))
     plain = parse_responses_request(json.dumps(body).encode())
     assert list(request.messages or []) == plain.messages
     assert isinstance(request.messages, HarmonyChatMessages)
-    assert request.messages.harmony.refusal is not None  # effort "none" on gpt-oss
+    assert request.messages.harmony.refusal is not None  # a custom tool on gpt-oss
 
 
 def test_every_date_has_the_same_token_count(counter: HarmonyPromptCounter) -> None:

@@ -387,10 +387,13 @@ class _Renderer:
         return list(ORACLE.harmony_utils.render_for_completion(messages))
 
 
-def vllm_harmony_prompt(body: dict[str, Any]) -> list[int]:
+def vllm_harmony_prompt(
+    body: dict[str, Any], reasoning_effort_map: dict[str, str] | None = None
+) -> list[int]:
     """The prompt token ids vLLM 0.34 runs for ``body`` on a gpt-oss model (no tool
-    server, no stored history). Raises HarmonyRefusal, VLLMValidationError or pydantic's
-    ValidationError when vLLM refuses the body."""
+    server, no stored history; the server's ``--reasoning-effort-map``). Raises
+    HarmonyRefusal, VLLMValidationError or pydantic's ValidationError when vLLM refuses
+    the body."""
     assert ORACLE is not None
     saved = dict(sys.modules)
     sys.modules.update(ORACLE.modules)
@@ -399,8 +402,10 @@ def vllm_harmony_prompt(body: dict[str, Any]) -> list[int]:
         if request.is_include_output_logprobs():
             # serving.py's _validate_create_responses_input, before rendering.
             raise HarmonyRefusal("logprobs are not supported with gpt-oss models")
+        renderer = _Renderer()
+        renderer.reasoning_effort_map = dict(reasoning_effort_map or {})
         result = ORACLE.render_with_harmony(
-            _Renderer(),
+            renderer,
             request,
             previous_messages=None,
             previous_response_outputs=None,

@@ -189,7 +189,8 @@ class ResponsesRoutes:
         sim = self.sim
         if isinstance(sim.tokenizer, HarmonySimTokenizer):
             # gpt-oss: vLLM renders the request itself through harmony, not as a chat.
-            conversation = harmony_messages(sim.tokenizer, req)
+            effort_map = sim.chat_flags.reasoning_effort_map
+            conversation = harmony_messages(sim.tokenizer, req, effort_map)
             self._check_max_output_tokens(req)
             ids = render_harmony(sim.tokenizer, conversation)
             return self._within_context(ids, exact=True)

@@ -6,12 +6,12 @@ vLLM does not render a Responses request on gpt-oss as a chat: its harmony path
 ``parser/harmony_utils.py`` and ``response_input_to_harmony`` of
 ``responses/harmony.py``) builds harmony messages from the request itself:
 
-* the preamble: a system message with ``reasoning.effort`` (low/medium/high, anything else
-  is refused) and the date, then a developer message with the instructions (``instructions``,
-  or a leading system/developer input message's text when it is absent) and the function
-  tools, when there is either; tools are shown only when one of them is not a built-in
-  one, and a tool that is neither a function nor a built-in is refused; ``tool_choice`` is
-  not read;
+* the preamble: a system message with ``reasoning.effort`` as ``--reasoning-effort-map``
+  rewrites it (low/medium/high, anything else is refused) and the date, then a developer
+  message with the instructions (``instructions``, or a leading system/developer input
+  message's text when it is absent) and the function tools, when there is either; tools
+  are shown only when one of them is not a built-in one, and a tool that is neither a
+  function nor a built-in is refused; ``tool_choice`` is not read;
 * each input item as one message: a message with all its parts (an assistant's on the final
   channel; a system/developer one as instructions, or nothing without text), a function
   call on the commentary channel to ``functions.NAME`` (json), a function call output from
@@ -28,8 +28,10 @@ param ``input``; the preamble's are ``VLLMValidationError`` (``BadRequestError``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from vllm_sim.chat_flags import map_reasoning_effort
 from vllm_sim.engine_tokenizers import (
     HARMONY_EFFORTS,
     HarmonySimTokenizer,
@@ -59,9 +61,14 @@ def refuse_logprobs(req: ResponsesRequest) -> None:
         raise ResponsesError.invalid(LOGPROBS_REFUSED, "logprobs")
 
 
-def harmony_messages(tokenizer: HarmonySimTokenizer, req: ResponsesRequest) -> list[Any]:
-    """The harmony messages vLLM builds for ``req`` on a gpt-oss model."""
-    return _preamble_and_input(req, tokenizer.system_instructions)
+def harmony_messages(
+    tokenizer: HarmonySimTokenizer,
+    req: ResponsesRequest,
+    effort_map: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """The harmony messages vLLM builds for ``req`` on a gpt-oss model (``effort_map``: the
+    server's ``--reasoning-effort-map``)."""
+    return _preamble_and_input(req, tokenizer.system_instructions, effort_map)
 
 
 def render_harmony(tokenizer: HarmonySimTokenizer, messages: list[Any]) -> list[int]:
@@ -79,7 +86,9 @@ def render_harmony(tokenizer: HarmonySimTokenizer, messages: list[Any]) -> list[
         raise ResponsesError(400, str(exc)) from exc
 
 
-def _preamble_and_input(req: ResponsesRequest, in_system: bool) -> list[Any]:
+def _preamble_and_input(
+    req: ResponsesRequest, in_system: bool, effort_map: Mapping[str, str] | None
+) -> list[Any]:
     # Tool types as extract_tool_types collects them (no MCP label is allow-listed).
     tool_types = {tool.type for tool in req.tools if tool.type != "mcp"}
     with_tools = not tool_types <= _BUILTIN_TOOLS
@@ -90,7 +99,9 @@ def _preamble_and_input(req: ResponsesRequest, in_system: bool) -> list[Any]:
         if first.get("role") in ("system", "developer"):
             instructions = _flatten(first.get("content"))
             items = items[1:]
-    effort = req.reasoning.effort if req.reasoning is not None else None
+    effort = map_reasoning_effort(
+        req.reasoning.effort if req.reasoning is not None else None, effort_map
+    )
     if effort is not None and effort not in HARMONY_EFFORTS:
         raise ResponsesError.from_validation(
             VLLMValidationError(

@@ -6,8 +6,9 @@ On a gpt-oss model vLLM does not render the converted chat request: its harmony 
 ``vllm/entrypoints/openai/responses/harmony.py``) builds harmony messages from the body
 itself:
 
-* a system message with ``reasoning.effort`` (low, medium or high; any other effort is
-  refused) and today's date; a developer message with the instructions and the function
+* a system message with ``reasoning.effort`` as the server's ``--reasoning-effort-map``
+  rewrites it (low, medium or high; any other effort is refused when counted) and today's
+  date; a developer message with the instructions and the function
   tools, when there is either. The instructions are ``instructions``, or when it is absent
   a leading ``system``/``developer`` input message's text. ``tool_choice`` and
   ``text.format`` shape the sampling, not the prompt;
@@ -35,7 +36,6 @@ import dataclasses
 from typing import Any, Final
 
 from kvgate.tokenize.harmony import (
-    HARMONY_EFFORTS,
     HarmonyChatMessages,
     HarmonyPrompt,
     HarmonyTurn,
@@ -89,13 +89,9 @@ def _build(body: dict[str, Any]) -> HarmonyPrompt:
 
 
 def _effort(body: dict[str, Any]) -> str | None:
+    # Checked when counted: the server's --reasoning-effort-map may rewrite it first.
     reasoning = body.get("reasoning") or {}
     effort: str | None = reasoning.get("effort")
-    if effort is not None and effort not in HARMONY_EFFORTS:
-        raise _Refused(
-            f"reasoning.effort: {effort!r} is not supported on gpt-oss models; supported "
-            f"values are {', '.join(HARMONY_EFFORTS)}."
-        )
     return effort
 
 

@@ -73,7 +73,8 @@ class HarmonyTurn:
 class HarmonyPrompt:
     """A request vLLM renders through harmony directly (not as a chat): the preamble's
     ``instructions``, function ``tools`` (name, description, parameters) and
-    ``reasoning_effort``, then the ``turns``. ``refusal``: why vLLM's harmony path cannot
+    ``reasoning_effort`` (the request's, before the server's effort map), then the
+    ``turns``. ``refusal``: why vLLM's harmony path cannot
     render the request (the message names the field), or None."""
 
     instructions: str | None
@@ -149,12 +150,13 @@ class HarmonyPromptCounter(PromptCounter):
     ) -> CountPlan:
         """Build the harmony messages now; rendering them is the deferred part."""
         # vLLM's harmony path renders for a new assistant turn whatever these say.
-        del add_generation_prompt, continue_final_message, chat_template_kwargs
-        del add_special_tokens
+        del add_generation_prompt, continue_final_message, add_special_tokens
         if isinstance(messages, HarmonyChatMessages):
-            # The API's own harmony messages (its tools are in them, as vLLM reads them).
+            # The API's own harmony messages (its tools are in them, as vLLM reads them),
+            # with the request's effort as the server's effort map rewrites it.
             prompt = messages.harmony
-            conversation = self.prompt_messages(prompt)
+            effort = getattr(chat_template_kwargs, "reasoning_effort", prompt.reasoning_effort)
+            conversation = self.prompt_messages(prompt, effort=effort)
             chars = sum(len(text) for turn in prompt.turns for text in turn.texts)
             return CountPlan(0, [], 2 * chars, (lambda: len(self.render(conversation)),))
         conversation = self.harmony_messages(messages, tools)
@@ -187,13 +189,20 @@ class HarmonyPromptCounter(PromptCounter):
         except Exception as exc:  # the library's own validation
             raise PromptRenderError(f"the request does not fit the harmony format: {exc}") from exc
 
-    def prompt_messages(self, prompt: HarmonyPrompt) -> list[Message]:
+    def prompt_messages(self, prompt: HarmonyPrompt, *, effort: str | None = None) -> list[Message]:
         """The harmony messages vLLM renders for ``prompt``: its preamble (vLLM's
-        ``build_harmony_preamble``), then its turns."""
+        ``build_harmony_preamble``) with ``effort`` (the request's as the server rewrites
+        it; None: the prompt's own), then its turns."""
         if prompt.refusal is not None:
             raise PromptRenderError(prompt.refusal)
+        effort = prompt.reasoning_effort if effort is None else effort
+        if effort is not None and effort not in HARMONY_EFFORTS:
+            raise PromptRenderError(
+                f"reasoning.effort: {effort!r} is not supported on gpt-oss models; supported "
+                f"values are {', '.join(HARMONY_EFFORTS)}."
+            )
         try:
-            return _prompt_messages(prompt, in_system=self.instructions_in_system)
+            return _prompt_messages(prompt, effort, in_system=self.instructions_in_system)
         except PromptRenderError:
             raise
         except Exception as exc:  # the library's own validation
@@ -449,7 +458,7 @@ def _drop_stale_analysis(messages: list[Any]) -> list[Any]:
     return [m for i, m in enumerate(messages) if not (i < last_final and m.channel == "analysis")]
 
 
-def _prompt_messages(prompt: HarmonyPrompt, *, in_system: bool) -> list[Any]:
+def _prompt_messages(prompt: HarmonyPrompt, effort: str | None, *, in_system: bool) -> list[Any]:
     from openai_harmony import Author, Message, Role, TextContent
 
     tools = (
@@ -464,7 +473,7 @@ def _prompt_messages(prompt: HarmonyPrompt, *, in_system: bool) -> list[Any]:
         else None
     )
     instructions = prompt.instructions
-    out = [_system_message(instructions if in_system else None, prompt.reasoning_effort)]
+    out = [_system_message(instructions if in_system else None, effort)]
     if (instructions and not in_system) or tools:
         out.append(_developer_message(instructions, tools, in_system=in_system))
     for turn in prompt.turns:
