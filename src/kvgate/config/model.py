@@ -427,6 +427,33 @@ class VisionConfig(_Strict):
     # Hosts an image URL may name even when they are private or loopback addresses (literal
     # addresses and localhost are refused otherwise: the engine would fetch from inside).
     allowed_url_hosts: Reload[list[str]] = Field(default_factory=list)
+    # The vLLM server's --mm-processor-kwargs, as on its command line: min_pixels,
+    # max_pixels and size {shortest_edge, longest_edge} change how many tokens an image is.
+    # Other keys are refused (kvgate would not count what they change).
+    mm_processor_kwargs: Reload[dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("mm_processor_kwargs")
+    @classmethod
+    def _known_processor_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        def pixels(name: str, number: Any) -> None:
+            if number is not None and (
+                isinstance(number, bool) or not isinstance(number, int) or number <= 0
+            ):
+                raise ValueError(f"{name} must be a positive integer")
+
+        unknown = sorted(set(value) - {"min_pixels", "max_pixels", "size"})
+        if unknown:
+            raise ValueError(f"only min_pixels, max_pixels and size are counted, not {unknown}")
+        pixels("min_pixels", value.get("min_pixels"))
+        pixels("max_pixels", value.get("max_pixels"))
+        size = value.get("size")
+        if size is not None:
+            # Both edges: the image processor refuses a size without either (every image).
+            if not isinstance(size, dict) or set(size) != {"shortest_edge", "longest_edge"}:
+                raise ValueError("size must be an object of shortest_edge and longest_edge")
+            for key, number in size.items():
+                pixels(f"size.{key}", number)
+        return value
 
 
 class ModelConfig(_Strict):

@@ -429,7 +429,12 @@ def load_model_counter(
     )
     if isinstance(counter, PromptCounter) and counter.vision is not None:
         settings = model.vision
-        counter.vision = counter.vision.with_limits(
+        spec = counter.vision.with_processor_kwargs(settings.mm_processor_kwargs)
+        if spec.min_pixels > spec.max_pixels:
+            raise TokenizerLoadError(
+                model.name, "vision.mm_processor_kwargs: min_pixels is larger than max_pixels"
+            )
+        counter.vision = spec.with_limits(
             VisionLimits(
                 max_images=settings.max_images_per_request,
                 max_image_bytes=settings.max_image_bytes,

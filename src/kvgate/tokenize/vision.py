@@ -138,6 +138,31 @@ class VisionSpec:
                 break
         return self.tokens_for(unit * width_factor, unit * height_factor)
 
+    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> VisionSpec:
+        """The rule under the engine's ``--mm-processor-kwargs``: ``size`` over the
+        directory's, then ``min_pixels`` / ``max_pixels`` over it (vLLM's
+        ``_get_vision_size``, the image processor's own order). Other keys are refused by the
+        config before this is called."""
+        size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+        given = kwargs.get("size")
+        if isinstance(given, Mapping):
+            size.update({k: v for k, v in given.items() if v is not None})
+        if kwargs.get("min_pixels") is not None:
+            size["shortest_edge"] = kwargs["min_pixels"]
+        if kwargs.get("max_pixels") is not None:
+            size["longest_edge"] = kwargs["max_pixels"]
+        return VisionSpec(
+            self.model_type,
+            self.patch_size,
+            self.merge_size,
+            int(size["shortest_edge"]),
+            int(size["longest_edge"]),
+            self.placeholder,
+            self.image_token,
+            self.reserved_tokens,
+            self.limits,
+        )
+
     def with_limits(self, limits: VisionLimits) -> VisionSpec:
         return VisionSpec(
             self.model_type,
