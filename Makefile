@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_MODEL := var/models/qwen2.5-demo
 
-.PHONY: up test lint format install demo-model promtool clean protos
+.PHONY: up test lint format install demo-model promtool clean protos postgres-server
 
 # kvgate with its demo and dev extras, and the vLLM simulator (sim/, its own distribution).
 $(STAMP): pyproject.toml sim/pyproject.toml
@@ -18,7 +18,15 @@ $(STAMP): pyproject.toml sim/pyproject.toml
 		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The usage-record tests start their own PostgreSQL server (testbed/postgres_harness.py):
+# its binaries come from Debian's postgresql package, installed here when missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+postgres-server:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
+		{ $(SUDO) apt-get update -qq && \
+		  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql; }
+
+install: $(STAMP) postgres-server
 
 $(DEMO_MODEL)/tokenizer.json: $(STAMP) tools/build_demo_tokenizer.py
 	$(BIN)/python tools/build_demo_tokenizer.py $(DEMO_MODEL)

@@ -75,6 +75,8 @@ from kvgate.store import (
 from kvgate.tokenize import TokenizerService
 from kvgate.tokenize.engine_counting import EngineCounter, load_model_counter
 from kvgate.tracing import build_tracing
+from kvgate.usage_records.building import build_writer
+from kvgate.usage_records.metrics import UsageRecordsCollector
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -166,6 +168,10 @@ class KvgateServer:
             shared_store=config.uses_redis,
             metrics=self.metrics,
         )
+        # One durable record per request, written in the background (None: off).
+        self.usage_records = build_writer(config.usage_records)
+        if self.usage_records is not None:
+            self.metrics.registry.register(UsageRecordsCollector(self.usage_records))
         tasks = BackgroundTasks()
         leases = LeaseKeeper(
             self.store,
@@ -192,6 +198,7 @@ class KvgateServer:
                 # A pool's queue may admit the next request; its fair-share counter
                 # learns what the tenant really got.
                 on_released=self.scheduler.on_settled,
+                usage_records=self.usage_records.add if self.usage_records else None,
             ),
             scheduler=self.scheduler,
             answer_sources=self._answer_sources(tasks),
@@ -342,6 +349,8 @@ class KvgateServer:
                 client_certs=self.operator_tls.client_certs_required,
             )
         await self._sync_capacity(self.config)
+        if self.usage_records is not None:
+            self.usage_records.start()
         await self.reconciler.start()
         for backend in self.snapshots.current.backends.values():
             self.metrics.kv_budget_tokens.labels(backend.name).set(backend.kv_budget_tokens)
@@ -554,6 +563,9 @@ class KvgateServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
         await self.services.drain(timeout_s=10.0)
+        if self.usage_records is not None:
+            # The drained settlements' records: to the spool, and to the sink if it answers.
+            await self.usage_records.close()
         if self._http is not None:
             await self._http.cleanup()
         await self.reconciler.stop()

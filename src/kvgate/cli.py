@@ -11,6 +11,7 @@ from kvgate.admin.client import add_admin_commands
 from kvgate.capacity.cli import add_kv_budget_command
 from kvgate.config import ConfigError, hash_api_key, load_config
 from kvgate.drain import add_drain_commands
+from kvgate.usage_records.cli import add_usage_commands
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_budget_command(sub)
     add_admin_commands(sub)
     add_drain_commands(sub)
+    add_usage_commands(sub)
     return parser
 
 

@@ -982,6 +982,40 @@ class IdempotencyConfig(_Strict):
     max_waiting_per_tenant: Reload[int] = Field(default=32, ge=1, le=10_000)
 
 
+class UsageRecordsConfig(_Strict):
+    """One durable record per request in a database (docs/usage-records.md). Restart: the
+    sink, its spool and its writer are built once, at start. Off unless `sink` is set."""
+
+    # none: no records; sqlite: an embedded file (one replica); postgres: shared by replicas.
+    sink: Restart[Literal["none", "sqlite", "postgres"]] = "none"
+    sqlite_path: Restart[str] = Field(default="var/usage-records.sqlite3", min_length=1)
+    # A PostgreSQL URL (postgresql://user@host:5432/db) from an environment variable or a
+    # file (a Kubernetes Secret volume): it may carry a password, so never in the file itself.
+    postgres_dsn_env: Restart[str | None] = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    postgres_dsn_file: Restart[str | None] = Field(default=None, min_length=1)
+    # Batches land here (fsynced) before the sink sees them; a sink that is slow or down
+    # leaves them here until it is back. One kvgate process per directory.
+    spool_dir: Restart[str] = Field(default="var/usage-spool", min_length=1)
+    # Past this the newest records are dropped (counted and logged), never the request.
+    max_spool_bytes: Restart[int] = Field(default=1024 * 1024 * 1024, ge=1024 * 1024)
+    # Records waiting in memory for the next spool write; past this they are dropped.
+    max_buffered_records: Restart[int] = Field(default=100_000, ge=100)
+    # The memory buffer is written to the spool this often (the most a SIGKILL can lose).
+    flush_interval_s: Restart[float] = Field(default=0.2, gt=0, le=10)
+    batch_size: Restart[int] = Field(default=1000, ge=1, le=100_000)
+    # One batch's write to the sink; past it the sink counts as down and is retried.
+    write_timeout_s: Restart[float] = Field(default=10.0, gt=0, le=600)
+    # First wait before retrying a sink that failed (doubles up to 30 s).
+    retry_interval_s: Restart[float] = Field(default=1.0, gt=0, le=60)
+
+    @model_validator(mode="after")
+    def _postgres_dsn(self) -> UsageRecordsConfig:
+        given = (self.postgres_dsn_env, self.postgres_dsn_file)
+        if self.sink == "postgres" and sum(value is not None for value in given) != 1:
+            raise ValueError("sink postgres needs one of postgres_dsn_env and postgres_dsn_file")
+        return self
+
+
 class KvgateConfig(_Strict):
     server: ServerConfig = ServerConfig()
     # "memory" (one process) or a Redis URL (redis://[[user]:password@]host:port/db or
@@ -995,6 +1029,7 @@ class KvgateConfig(_Strict):
     idempotency: IdempotencyConfig = IdempotencyConfig()
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     semantic_cache: SemanticCacheConfig = SemanticCacheConfig()
+    usage_records: UsageRecordsConfig = UsageRecordsConfig()
 
     @field_validator("store")
     @classmethod

@@ -78,7 +78,14 @@ class GatewayServices:
 
     def answer_run(self, sources: Sequence[AnswerSource]) -> AnswerRun:
         """One request's walk through ``sources`` (those of ``answer_sources`` that apply)."""
-        return AnswerRun(sources, self.store, self.clock, self.metrics, self.track)
+        return AnswerRun(
+            sources,
+            self.store,
+            self.clock,
+            self.metrics,
+            self.track,
+            usage_records=self.settler.usage_records,
+        )
 
     def track(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run work that must finish even though its stream is gone; shutdown waits for it."""

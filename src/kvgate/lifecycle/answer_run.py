@@ -9,17 +9,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.lifecycle.admission import Rejected, rejection_of
-from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Hit, Miss
+from kvgate.lifecycle.answer_sources import AnswerQuery, AnswerSource, Hit, Miss, SourceName
 from kvgate.lifecycle.idempotency import AnswerRecorder
 from kvgate.lifecycle.response_cache import CacheResult, charge_hit
 from kvgate.lifecycle.usage_report import record_cache_hit
 from kvgate.metrics import Metrics
 from kvgate.policy import ActualUsage, Clock, SettleCause
 from kvgate.store import StateStore, StoreUnavailable
+from kvgate.usage_records.facts import RequestFacts, served_record
+from kvgate.usage_records.record import AnswerSource as RecordSource
+from kvgate.usage_records.record import UsageRecord
 
 log = logging.getLogger("kvgate.answers")
 
 Track = Callable[[Coroutine[Any, Any, None]], Any]
+
+# Who answered, in a usage record, by the source that served a stored answer.
+_RECORD_SOURCES = {
+    SourceName.IDEMPOTENCY: RecordSource.IDEMPOTENT_REPLAY,
+    SourceName.EXACT_CACHE: RecordSource.EXACT_CACHE,
+    SourceName.SEMANTIC_CACHE: RecordSource.SEMANTIC_CACHE,
+}
 
 
 @dataclass(slots=True)
@@ -36,6 +46,10 @@ class AnswerRun:
     key_recorder: AnswerRecorder | None = None
     # x-kvgate-cache on the forwarded answer: hit | miss | bypass.
     cache_header: str = CacheResult.BYPASS.value
+    # Takes the usage record of a served stored answer (None: records are off), and what
+    # the exchange knows of the request for it (read when a hit is served).
+    usage_records: Callable[[UsageRecord], None] | None = None
+    request_facts: Callable[[], RequestFacts] | None = None
 
     async def lookup(self, query: AnswerQuery, digest: str) -> Hit | None:
         """Ask each source in turn: the first hit, charged and booked (None: the request
@@ -45,6 +59,7 @@ class AnswerRun:
                 outcome = await source.lookup(query, digest)
                 if isinstance(outcome, Hit):
                     await self._serve(query, outcome)
+                    self._record(query, outcome, source.name)
                     return outcome
                 if outcome.cache_header is not None:
                     self.cache_header = outcome.cache_header
@@ -84,6 +99,33 @@ class AnswerRun:
             recorder.on_chunk(hit.answer.body)
             recorder.finish(SettleCause.COMPLETED)
         self.recorders.clear()
+
+    def _record(self, query: AnswerQuery, hit: Hit, source: str) -> None:
+        """The usage record of a served stored answer (never fails the answer)."""
+        if self.usage_records is None:
+            return
+        try:
+            request = query.request
+            route = query.snapshot.models.get(request.model)
+            charge = hit.charge
+            record = served_record(
+                record_id=query.owner,
+                facts=self.request_facts() if self.request_facts is not None else None,
+                tenant=query.tenant.name,
+                path=request.path,
+                model=request.model,
+                source=_RECORD_SOURCES.get(SourceName(source), RecordSource.EXACT_CACHE),
+                status=hit.answer.status,
+                prompt_tokens=hit.answer.prompt_tokens,
+                output_tokens=hit.answer.output_tokens,
+                pricing=route.pricing if route is not None else None,
+                booked_request=charge is not None and charge.mode == "full" and route is not None,
+                cache_hit=charge is not None,
+                wall=self.clock.wall(),
+            )
+            self.usage_records(record)
+        except Exception:
+            log.exception("no usage record for a served stored answer")
 
     async def _book_hit(self, tenant: str, model: str, saved_tokens: int) -> None:
         """The ledger records the hit and the tokens it saved (after the answer: a store

@@ -51,6 +51,8 @@ class ResponseReading:
     output_text_complete: bool = False
     # Some answer text reached the client.
     visible_text: bool = False
+    # The answer's HTTP status (0: no answer head arrived); the usage record's.
+    status: int = 0
 
 
 ZERO = ActualUsage(prompt_tokens=0, output_tokens=0)

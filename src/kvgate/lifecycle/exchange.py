@@ -43,6 +43,7 @@ from kvgate.metrics import Metrics
 from kvgate.openai import ParsedRequest
 from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy
 from kvgate.tokenize import TokenizerBusy
+from kvgate.usage_records.facts import RequestFacts
 
 log = logging.getLogger("kvgate.exchange")
 
@@ -148,6 +149,9 @@ class Exchange:
         self._deadline: asyncio.Timeout | None = None
         self._started = 0.0
         self._wait_extended = False
+        # Event-loop times of the decision's end and the answer's first bytes (usage records).
+        self._decided_at: float | None = None
+        self._first_byte_at: float | None = None
 
     @classmethod
     def observing(
@@ -219,6 +223,7 @@ class Exchange:
             if source.name in api.answer_sources and source.applies(query)
         ]
         self._answers = self._svc.answer_run(sources)
+        self._answers.request_facts = self.request_facts
         request_slot_taken = False
         if sources:
             # What the answer layer does for a tenant is a request it made: the RPM slot is
@@ -289,6 +294,8 @@ class Exchange:
 
     def _forwarded(self, ticket: Ticket) -> None:
         """The request goes upstream: its lease is kept alive, its answer metered."""
+        if self._started:
+            self._decided_at = asyncio.get_running_loop().time()
         self.ticket = ticket
         self.request_id = ticket.request_id
         self._meter = self.api.meter(ticket)
@@ -307,6 +314,8 @@ class Exchange:
     def on_chunk(self, chunk: bytes, *, end_of_stream: bool) -> bytes | None:
         """One chunk of the answer; its replacement when the client must see other bytes."""
         assert self._meter is not None
+        if self._first_byte_at is None and chunk and self._started:
+            self._first_byte_at = asyncio.get_running_loop().time()
         replacement = self._meter.on_chunk(chunk, end_of_stream=end_of_stream)
         self._answers.on_chunk(chunk if replacement is None else replacement)
         return replacement
@@ -327,11 +336,13 @@ class Exchange:
             reading = await self._reading(ticket)
         except asyncio.CancelledError:
             # Cancelled while counting: settle in the background with what is known.
-            self._svc.settler.settle(ticket, cause, ResponseReading(streamed=ticket.request.stream))
+            self._svc.settler.settle(
+                ticket, cause, ResponseReading(streamed=ticket.request.stream), self.request_facts()
+            )
             raise
         # The store write is a tracked task of its own, and the answer's last chunk does not
         # wait for it (a Redis round trip).
-        charged, _ = self._svc.settler.settle(ticket, cause, reading)
+        charged, _ = self._svc.settler.settle(ticket, cause, reading, self.request_facts())
         self._answers.finish(cause, charged)
         return charged
 
@@ -347,12 +358,32 @@ class Exchange:
         ticket = self.ticket
         assert ticket is not None
 
+        facts = self.request_facts()
+
         async def settle_after_disconnect() -> None:
             reading = await self._reading(ticket)
-            await self._svc.settler.settle(ticket, cause, reading)[1]
+            await self._svc.settler.settle(ticket, cause, reading, facts)[1]
 
         self._svc.track(settle_after_disconnect())
         return True
+
+    def request_facts(self) -> RequestFacts:
+        """What this exchange timed, for the request's usage record: milliseconds from the
+        body's arrival (none for an exchange that only observes the answer)."""
+        started = self._started
+        now = asyncio.get_running_loop().time()
+
+        def since_start(at: float | None) -> float | None:
+            return round((at - started) * 1000, 3) if started and at is not None else None
+
+        return RequestFacts(
+            api=self.api.name,
+            request_id=self.request_id,
+            route=self._route.backend,
+            decision_ms=since_start(self._decided_at),
+            ttft_ms=since_start(self._first_byte_at),
+            duration_ms=since_start(now),
+        )
 
     def hand_off(self) -> None:
         """The split layout: another stream (``Exchange.observing``) meters this request's

@@ -72,6 +72,7 @@ class _MeterBase(abc.ABC):
             content_events=stream.content_events if stream is not None else 0,
             output_text_complete=stream is not None and not stream.output_text_truncated,
             visible_text=bool(text),
+            status=self.status,
         )
 
 

@@ -17,9 +17,11 @@ from kvgate.metrics import Metrics
 from kvgate.policy import ActualUsage, SettleCause, TenantPolicy, pico_to_usd
 from kvgate.policy.pricing import PICO_PER_USD
 from kvgate.store import StateStore
+from kvgate.usage_records.facts import RequestFacts, settled_record
 
 if TYPE_CHECKING:
     from kvgate.tracing import Tracing
+    from kvgate.usage_records import UsageRecord
 
 log = logging.getLogger("kvgate.settle")
 
@@ -39,7 +41,11 @@ class Settler:
         track: Track,
         tracing: Tracing | None = None,
         on_released: Callable[[Ticket, ActualUsage], None] | None = None,
+        usage_records: Callable[[UsageRecord], None] | None = None,
     ) -> None:
+        # Takes one usage record per booked settlement (UsageRecordWriter.add: an append to
+        # a bounded buffer); None when records are off. Answer runs read it for their hits.
+        self.usage_records = usage_records
         # Told once a settlement freed its reservation (a pool's queue gets a turn).
         self._on_released = on_released
         self._store = store
@@ -52,7 +58,11 @@ class Settler:
         self.tracing = tracing
 
     def settle(
-        self, ticket: Ticket, cause: SettleCause, reading: ResponseReading
+        self,
+        ticket: Ticket,
+        cause: SettleCause,
+        reading: ResponseReading,
+        facts: RequestFacts | None = None,
     ) -> tuple[ActualUsage, asyncio.Task[None]]:
         """Charge what the billing rule says and release the reservation. The store write
         runs as a tracked task, so it lands even if the caller's stream is gone; returns
@@ -67,7 +77,7 @@ class Settler:
         cost = ticket.pricing.cost(
             charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
         )
-        book = self._book(ticket, cause, charged, cost)
+        book = self._book(ticket, cause, charged, cost, reading, facts)
         if self.tracing is not None:
             traced = self._traced(book, ticket, cause, charged, cost, metered, time.time_ns())
             return charged, self._track(traced)
@@ -100,7 +110,13 @@ class Settler:
             log.exception("recording the settlement span failed")
 
     async def _book(
-        self, ticket: Ticket, cause: SettleCause, usage: ActualUsage, cost_pico: int
+        self,
+        ticket: Ticket,
+        cause: SettleCause,
+        usage: ActualUsage,
+        cost_pico: int,
+        reading: ResponseReading,
+        facts: RequestFacts | None,
     ) -> str:
         """Write the settlement; "booked", "duplicate" (already settled) or "failed"."""
         reservation = ticket.reservation
@@ -118,6 +134,8 @@ class Settler:
             return "failed"
         if not settlement.applied:
             return "duplicate"
+        if self.usage_records is not None:
+            self._record(ticket, cause, reading, usage, cost_pico, facts, settlement.duration_s)
         if self._on_released is not None:
             try:
                 self._on_released(ticket, usage)
@@ -150,6 +168,33 @@ class Settler:
             },
         )
         return "booked"
+
+    def _record(
+        self,
+        ticket: Ticket,
+        cause: SettleCause,
+        reading: ResponseReading,
+        usage: ActualUsage,
+        cost_pico: int,
+        facts: RequestFacts | None,
+        duration_s: float,
+    ) -> None:
+        """One usage record of what the ledger just booked (never fails the settlement)."""
+        assert self.usage_records is not None
+        try:
+            record = settled_record(
+                ticket,
+                cause,
+                reading,
+                usage,
+                cost_pico,
+                facts,
+                wall=time.time(),
+                duration_s=duration_s,
+            )
+            self.usage_records(record)
+        except Exception:
+            log.exception("no usage record", extra={"request_id": ticket.request_id})
 
     def _observe_prompt_count(self, ticket: Ticket, backend_prompt_tokens: int) -> None:
         model = ticket.model
