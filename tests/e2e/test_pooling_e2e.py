@@ -369,3 +369,23 @@ def test_scoring_a_model_without_a_score_template_is_refused(stack: Stack) -> No
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "model"
     nothing_in_flight(stack)
+
+
+def test_an_idempotency_key_replays_an_embedding_without_a_second_charge(stack: Stack) -> None:
+    before = tenant_totals(stack)
+    body = {"model": MODEL, "input": ["replayed once", "and only once"]}
+    headers = {"Authorization": f"Bearer {stack.api_key(DEMO_TENANT)}", "idempotency-key": "e-1"}
+    first = httpx.post(f"{stack.base_url}/v1/embeddings", json=body, headers=headers, timeout=30)
+    assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+    again = httpx.post(f"{stack.base_url}/v1/embeddings", json=body, headers=headers, timeout=30)
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.json() == first.json()
+    billed = settled(stack, before, 1)
+    assert billed["prompt_tokens"] == first.json()["usage"]["prompt_tokens"]
+    # Another body under the same key is refused, naming the header.
+    other = httpx.post(
+        f"{stack.base_url}/v1/embeddings", json={**body, "input": "x"}, headers=headers, timeout=30
+    )
+    assert other.status_code == 422
+    assert other.json()["error"]["param"] == "Idempotency-Key"
+    nothing_in_flight(stack)
