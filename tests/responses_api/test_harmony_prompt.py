@@ -103,6 +103,8 @@ def _message(rng: random.Random, role: str) -> dict[str, Any]:
     if role == "assistant":
         if rng.random() < 0.3:
             item["content"] = _text(rng)
+        elif rng.random() < 0.15:
+            item["content"] = _parts(rng, "input_text")
         else:
             item.update(
                 type="message",
@@ -110,6 +112,8 @@ def _message(rng: random.Random, role: str) -> dict[str, Any]:
                 status=rng.choice(["completed", "in_progress", "incomplete"]),
                 content=_parts(rng, "output_text"),
             )
+            if rng.random() < 0.2:
+                item["phase"] = rng.choice(["commentary", "final_answer"])
     else:
         item["content"] = _text(rng) if rng.random() < 0.4 else _parts(rng, "input_text")
     return item
@@ -140,14 +144,15 @@ def _items(rng: random.Random, tool_names: list[str]) -> list[dict[str, Any]]:
         elif roll < 0.75:
             call_id = f"call_{rng.randint(0, 9)}"
             calls.append(call_id)
-            items.append(
-                {
-                    "type": "function_call",
-                    "call_id": call_id,
-                    "name": rng.choice(tool_names or ["lookup"]),
-                    "arguments": json.dumps({"q": _text(rng)}),
-                }
-            )
+            call: dict[str, Any] = {
+                "type": "function_call",
+                "call_id": call_id,
+                "name": rng.choice(tool_names or ["lookup"]),
+                "arguments": json.dumps({"q": _text(rng)}),
+            }
+            if rng.random() < 0.2:
+                call.update(id=f"fc_{rng.randint(0, 9)}", status="completed", namespace="ns")
+            items.append(call)
         elif roll < 0.87:
             # Mostly the output of a call made before; now and then of none (vLLM refuses).
             known = calls and rng.random() < 0.9
