@@ -163,6 +163,10 @@ INTERNAL = [
     "http://LOCALHOST./x.png",
     "http://metadata.localhost/x.png",
     "https://100.64.0.1/x.png",
+    "http://0177.0.0.1/x.png",  # octal, as resolvers read it
+    "http://public.example@127.0.0.1/x.png",  # userinfo: the host is after the @
+    "http://[fe80::1%25eth0]/x.png",  # link-local with a zone
+    "HTTP://10.0.0.1/x.png",
 ]
 
 
