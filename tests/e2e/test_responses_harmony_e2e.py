@@ -254,6 +254,7 @@ def test_what_the_harmony_path_refuses_is_refused_before_reserving(
     with sdk(stack) as client, pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, max_output_tokens=8, **body)
     assert caught.value.status_code == 400
+    assert caught.value.param == named
     assert named in caught.value.message
     assert tenant_totals(stack)["prompt_tokens"] == before["prompt_tokens"]
     nothing_in_flight(stack)

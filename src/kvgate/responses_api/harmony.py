@@ -50,7 +50,11 @@ _INSTRUCTION_ROLES: Final = ("system", "developer")
 
 
 class _Refused(Exception):
-    """The body cannot be rendered by vLLM's harmony path (the message names the field)."""
+    """The body cannot be rendered by vLLM's harmony path: ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 def with_harmony_prompt(request: ResponsesRequest) -> ResponsesRequest:
@@ -66,13 +70,15 @@ def harmony_prompt(body: dict[str, Any]) -> HarmonyPrompt:
     try:
         return _build(body)
     except _Refused as refused:
-        return HarmonyPrompt(None, None, None, (), refusal=str(refused))
+        return HarmonyPrompt(
+            None, None, None, (), refusal=str(refused), refusal_param=refused.param
+        )
 
 
 def _build(body: dict[str, Any]) -> HarmonyPrompt:
     include = body.get("include") or []
     if _LOGPROBS_INCLUDE in include:
-        raise _Refused(f"include: '{_LOGPROBS_INCLUDE}' is not supported on gpt-oss models.")
+        raise _Refused("include", f"'{_LOGPROBS_INCLUDE}' is not supported on gpt-oss models.")
     effort = _effort(body)
     tools = _function_tools(body.get("tools"))
     instructions: str | None = body.get("instructions")
@@ -103,7 +109,9 @@ def _function_tools(
     described = []
     for i, tool in enumerate(tools):
         if tool["type"] != "function":
-            raise _Refused(f"tools[{i}].type: {tool['type']!r} tools are not supported on gpt-oss.")
+            raise _Refused(
+                f"tools[{i}].type", f"{tool['type']!r} tools are not supported on gpt-oss."
+            )
         described.append((tool["name"], tool.get("description") or "", tool.get("parameters")))
     return tuple(described)
 
@@ -123,7 +131,7 @@ def _part_texts(content: str | list[dict[str, Any]], param: str) -> tuple[str, .
     for j, part in enumerate(content):
         if part.get("type") == "input_image":
             # vLLM's harmony path reads only text: the image would vanish from the prompt.
-            raise _Refused(f"{param}[{j}]: images are not supported on gpt-oss models.")
+            raise _Refused(f"{param}[{j}]", "images are not supported on gpt-oss models.")
         # A refusal part has no text: vLLM renders it empty.
         texts.append(part.get("text") or "")
     return tuple(texts)
@@ -161,12 +169,13 @@ def _turns(items: list[dict[str, Any]], first: int) -> list[HarmonyTurn]:
             call_id = item["call_id"]
             if call_id not in names_by_call_id:
                 raise _Refused(
-                    f"{param}.call_id: no function_call with call_id {call_id!r} comes before "
-                    "this output (gpt-oss models name a tool result by its call)."
+                    f"{param}.call_id",
+                    f"no function_call with call_id {call_id!r} comes before this output "
+                    "(gpt-oss models name a tool result by its call).",
                 )
             output = item["output"]
             if not isinstance(output, str):
-                raise _Refused(f"{param}.output: gpt-oss models take a tool output as a string.")
+                raise _Refused(f"{param}.output", "gpt-oss models take a tool output as a string.")
             turns.append(
                 HarmonyTurn(
                     "tool",
@@ -185,5 +194,5 @@ def _turns(items: list[dict[str, Any]], first: int) -> list[HarmonyTurn]:
                 # vLLM keeps an empty assistant message in its place (the summary unread).
                 turns.append(HarmonyTurn("assistant", ("",)))
         else:
-            raise _Refused(f"{param}.type: {kind!r} items are not supported on gpt-oss models.")
+            raise _Refused(f"{param}.type", f"{kind!r} items are not supported on gpt-oss models.")
     return turns

@@ -17,9 +17,11 @@ class PromptRenderError(ValueError):
 
     ``client_message`` is safe to return to the caller (the gRPC layer answers 400 with
     it); it never contains server paths or stack traces. A ValueError, like vLLM's own
-    errors for the same inputs.
+    errors for the same inputs. ``param``: the request field it names, when it is not the
+    prompt's own (the refusal's ``param`` then).
     """
 
-    def __init__(self, client_message: str) -> None:
+    def __init__(self, client_message: str, param: str | None = None) -> None:
         super().__init__(client_message)
         self.client_message = client_message
+        self.param = param

@@ -75,13 +75,14 @@ class HarmonyPrompt:
     ``instructions``, function ``tools`` (name, description, parameters) and
     ``reasoning_effort`` (the request's, before the server's effort map), then the
     ``turns``. ``refusal``: why vLLM's harmony path cannot
-    render the request (the message names the field), or None."""
+    render the request, or None; ``refusal_param``: the field it names."""
 
     instructions: str | None
     tools: tuple[tuple[str, str, dict[str, Any] | None], ...] | None
     reasoning_effort: str | None
     turns: tuple[HarmonyTurn, ...]
     refusal: str | None = None
+    refusal_param: str | None = None
 
 
 class HarmonyChatMessages(list[dict[str, Any]]):
@@ -194,12 +195,13 @@ class HarmonyPromptCounter(PromptCounter):
         ``build_harmony_preamble``) with ``effort`` (the request's as the server rewrites
         it; None: the prompt's own), then its turns."""
         if prompt.refusal is not None:
-            raise PromptRenderError(prompt.refusal)
+            raise PromptRenderError(prompt.refusal, prompt.refusal_param)
         effort = prompt.reasoning_effort if effort is None else effort
         if effort is not None and effort not in HARMONY_EFFORTS:
             raise PromptRenderError(
                 f"reasoning.effort: {effort!r} is not supported on gpt-oss models; supported "
-                f"values are {', '.join(HARMONY_EFFORTS)}."
+                f"values are {', '.join(HARMONY_EFFORTS)}.",
+                "reasoning.effort",
             )
         try:
             return _prompt_messages(prompt, effort, in_system=self.instructions_in_system)
