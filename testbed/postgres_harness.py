@@ -151,8 +151,8 @@ class PostgresServer:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.resume()  # a paused server cannot exit
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGCONT)  # a paused server cannot exit
                 os.kill(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(timeout=timeout)
@@ -161,14 +161,29 @@ class PostgresServer:
                 self.proc.wait(timeout=10)
         self.proc = None
 
-    def pause(self) -> None:
-        """SIGSTOP the postmaster and its backends: connections stay open, nothing answers."""
+    def _server_pids(self) -> list[int]:
+        """The postmaster, then its children (each backend runs in a session of its own, so
+        the postmaster's process group does not reach them)."""
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGSTOP)
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == self.proc.pid:
+                    children.append(int(stat.parent.name))
+        return [self.proc.pid, *children]
+
+    def pause(self) -> None:
+        """SIGSTOP the postmaster (first: it forks no more) and every backend: connections
+        stay open, nothing answers."""
+        for pid in self._server_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGCONT)
+        for pid in reversed(self._server_pids()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def create_database(self) -> str:
         """A new empty database; its URL."""

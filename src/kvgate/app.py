@@ -75,7 +75,7 @@ from kvgate.store import (
 from kvgate.tokenize import TokenizerService
 from kvgate.tokenize.engine_counting import EngineCounter, load_model_counter
 from kvgate.tracing import build_tracing
-from kvgate.usage_records.building import build_writer
+from kvgate.usage_records.building import build_sink, build_writer
 from kvgate.usage_records.metrics import UsageRecordsCollector
 
 if TYPE_CHECKING:
@@ -170,6 +170,7 @@ class KvgateServer:
         )
         # One durable record per request, written in the background (None: off).
         self.usage_records = build_writer(config.usage_records)
+        self._usage_record_reader = build_sink(config.usage_records)
         if self.usage_records is not None:
             self.metrics.registry.register(UsageRecordsCollector(self.usage_records))
         tasks = BackgroundTasks()
@@ -524,7 +525,12 @@ class KvgateServer:
             ],
         )
         admin = AdminService(
-            self.services, self.snapshots, self.reloader, self.pools, self.reconciler
+            self.services,
+            self.snapshots,
+            self.reloader,
+            self.pools,
+            self.reconciler,
+            usage_records=self._usage_record_reader,
         )
         _add_admin_servicer(admin, self._admin)
         reflection.enable_server_reflection(
@@ -566,6 +572,8 @@ class KvgateServer:
         if self.usage_records is not None:
             # The drained settlements' records: to the spool, and to the sink if it answers.
             await self.usage_records.close()
+        if self._usage_record_reader is not None:
+            await self._usage_record_reader.close()
         if self._http is not None:
             await self._http.cleanup()
         await self.reconciler.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,12 @@ from kvgate.extproc.services import GatewayServices
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.policy import BackendLimits, BackendStatus
 from kvgate.reload import ConfigReloader
+from kvgate.usage_records import RecordQuery, RecordSink, UsageRecord
+from kvgate.usage_records.cli import money
+from kvgate.usage_records.paging import BadPageToken, page_size, page_token, read_page_token
+
+# A page read from the sink; past it the call answers UNAVAILABLE.
+RECORDS_READ_TIMEOUT_S = 10.0
 
 
 def _period(entry: dict[str, Any]) -> admin_pb2.PeriodUsage:
@@ -55,6 +62,42 @@ def tenant_usage_message(report: dict[str, Any]) -> admin_pb2.TenantUsage:
     )
 
 
+def usage_record_message(record: UsageRecord) -> admin_pb2.UsageRecord:
+    return admin_pb2.UsageRecord(
+        record_id=record.record_id,
+        request_id=record.request_id,
+        occurred_at=record.occurred_at_utc.isoformat(),
+        ledger_day=record.ledger_day,
+        ledger_month=record.ledger_month,
+        tenant=record.tenant,
+        api=record.api,
+        path=record.path,
+        requested_model=record.requested_model,
+        served_model=record.served_model,
+        backend=record.backend,
+        endpoint=record.endpoint,
+        prompt_tokens=record.prompt_tokens,
+        cached_tokens=record.cached_tokens,
+        output_tokens=record.output_tokens,
+        reasoning_tokens=record.reasoning_tokens,
+        cost_usd=money(record.cost_pico),
+        pricing_version=record.pricing_version,
+        answer_source=record.answer_source.value,
+        status=record.status,
+        settle_cause=record.settle_cause,
+        booked_request=record.booked_request,
+        cache_hit=record.cache_hit,
+        saved_tokens=record.saved_tokens,
+        route=record.route,
+        decision_ms=record.decision_ms,
+        ttft_ms=record.ttft_ms,
+        duration_ms=record.duration_ms,
+        team_id=record.team_id,
+        user_id=record.user_id,
+        key_id=record.key_id,
+    )
+
+
 class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(
         self,
@@ -63,7 +106,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         reloader: ConfigReloader | None,
         pools: PoolRegistry,
         reconciler: Reconciler,
+        usage_records: RecordSink | None = None,
     ) -> None:
+        # A reader of the usage record sink (its own connection: the writer's may be busy
+        # with a batch); None when records are off.
+        self._usage_records = usage_records
         self._services = services
         self._snapshots = snapshots
         self._reloader = reloader
@@ -176,6 +223,43 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 )
                 for row in self._reconciler.rows()
             ]
+        )
+
+    async def ListUsageRecords(
+        self,
+        request: admin_pb2.ListUsageRecordsRequest,
+        context: grpc.aio.ServicerContext[
+            admin_pb2.ListUsageRecordsRequest, admin_pb2.ListUsageRecordsResponse
+        ],
+    ) -> admin_pb2.ListUsageRecordsResponse:
+        sink = self._usage_records
+        if sink is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "usage records are off (usage_records.sink)"
+            )
+        assert sink is not None
+        try:
+            size = page_size(request.page_size)
+            after = read_page_token(request.page_token)
+        except (BadPageToken, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        query = RecordQuery(
+            tenant=request.tenant or None,
+            since=request.since_unix_s if request.HasField("since_unix_s") else None,
+            until=request.until_unix_s if request.HasField("until_unix_s") else None,
+            after=after,
+            limit=size + 1,  # one more: whether another page follows
+        )
+        try:
+            found = await asyncio.wait_for(sink.records(query), RECORDS_READ_TIMEOUT_S)
+        except Exception as exc:  # the database's own errors, whatever the sink
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the usage record sink cannot answer: {exc!r}"
+            )
+        page = found[:size]
+        return admin_pb2.ListUsageRecordsResponse(
+            records=[usage_record_message(record) for record in page],
+            next_page_token=page_token(page[-1]) if len(found) > size else "",
         )
 
     async def Reload(

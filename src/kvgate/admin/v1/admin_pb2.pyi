@@ -173,3 +173,91 @@ class ReconcileResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineReconciliation]
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineReconciliation, _Mapping]]] = ...) -> None: ...
+
+class ListUsageRecordsRequest(_message.Message):
+    __slots__ = ("tenant", "since_unix_s", "until_unix_s", "page_size", "page_token")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    since_unix_s: float
+    until_unix_s: float
+    page_size: int
+    page_token: str
+    def __init__(self, tenant: _Optional[str] = ..., since_unix_s: _Optional[float] = ..., until_unix_s: _Optional[float] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class UsageRecord(_message.Message):
+    __slots__ = ("record_id", "request_id", "occurred_at", "ledger_day", "ledger_month", "tenant", "api", "path", "requested_model", "served_model", "backend", "endpoint", "prompt_tokens", "cached_tokens", "output_tokens", "reasoning_tokens", "cost_usd", "pricing_version", "answer_source", "status", "settle_cause", "booked_request", "cache_hit", "saved_tokens", "route", "decision_ms", "ttft_ms", "duration_ms", "team_id", "user_id", "key_id")
+    RECORD_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OCCURRED_AT_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_DAY_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_MONTH_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_USD_FIELD_NUMBER: _ClassVar[int]
+    PRICING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    BOOKED_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    DECISION_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    TEAM_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    record_id: str
+    request_id: str
+    occurred_at: str
+    ledger_day: str
+    ledger_month: str
+    tenant: str
+    api: str
+    path: str
+    requested_model: str
+    served_model: str
+    backend: str
+    endpoint: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    reasoning_tokens: int
+    cost_usd: str
+    pricing_version: str
+    answer_source: str
+    status: int
+    settle_cause: str
+    booked_request: bool
+    cache_hit: bool
+    saved_tokens: int
+    route: str
+    decision_ms: float
+    ttft_ms: float
+    duration_ms: float
+    team_id: str
+    user_id: str
+    key_id: str
+    def __init__(self, record_id: _Optional[str] = ..., request_id: _Optional[str] = ..., occurred_at: _Optional[str] = ..., ledger_day: _Optional[str] = ..., ledger_month: _Optional[str] = ..., tenant: _Optional[str] = ..., api: _Optional[str] = ..., path: _Optional[str] = ..., requested_model: _Optional[str] = ..., served_model: _Optional[str] = ..., backend: _Optional[str] = ..., endpoint: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ..., pricing_version: _Optional[str] = ..., answer_source: _Optional[str] = ..., status: _Optional[int] = ..., settle_cause: _Optional[str] = ..., booked_request: _Optional[bool] = ..., cache_hit: _Optional[bool] = ..., saved_tokens: _Optional[int] = ..., route: _Optional[str] = ..., decision_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., team_id: _Optional[str] = ..., user_id: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
+
+class ListUsageRecordsResponse(_message.Message):
+    __slots__ = ("records", "next_page_token")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[UsageRecord]
+    next_page_token: str
+    def __init__(self, records: _Optional[_Iterable[_Union[UsageRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

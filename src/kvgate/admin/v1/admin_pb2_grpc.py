@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileRequest.SerializeToString,
                 response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileResponse.FromString,
                 _registered_method=True)
+        self.ListUsageRecords = channel.unary_unary(
+                '/kvgate.admin.v1.Admin/ListUsageRecords',
+                request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsRequest.SerializeToString,
+                response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -99,6 +104,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListUsageRecords(self, request, context):
+        """The usage records (one per request) in the configured sink, oldest first, a page at a
+        time; FAILED_PRECONDITION when records are off, UNAVAILABLE while the sink cannot answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Reconcile,
                     request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileRequest.FromString,
                     response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileResponse.SerializeToString,
+            ),
+            'ListUsageRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUsageRecords,
+                    request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsRequest.FromString,
+                    response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class Admin:
             '/kvgate.admin.v1.Admin/Reconcile',
             kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileRequest.SerializeToString,
             kvgate_dot_admin_dot_v1_dot_admin__pb2.ReconcileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUsageRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.admin.v1.Admin/ListUsageRecords',
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsRequest.SerializeToString,
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsResponse.FromString,
             options,
             channel_credentials,
             insecure,
