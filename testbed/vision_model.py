@@ -13,7 +13,9 @@
 * ``config.json``: Qwen2.5-VL-7B-Instruct's (``model_type: qwen2_5_vl``, its vision config).
 
 ``vision_model_dir(template=...)`` builds a variant with another template (e.g. a
-"string"-format one) under its own name.
+"string"-format one) under its own name; ``vision_model_dir(family="qwen3_vl")`` one with
+Qwen3-VL-8B-Instruct's image processor and vision config (patch 16, ``size`` 65536 to
+16777216 pixels; the same image rule in vLLM 0.34, whose Qwen3-VL inherits Qwen2-VL's).
 """
 
 from __future__ import annotations
@@ -135,6 +137,39 @@ MODEL_CONFIG: dict[str, Any] = {
 }
 
 
+# Qwen3-VL-8B-Instruct's preprocessor_config.json and the config.json fields that differ.
+QWEN3_VL_PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "processor_class": "Qwen3VLProcessor",
+}
+QWEN3_VL_MODEL_CONFIG: dict[str, Any] = {
+    **MODEL_CONFIG,
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "vision_config": {
+        "depth": 27,
+        "hidden_size": 1152,
+        "num_heads": 16,
+        "in_channels": 3,
+        "out_hidden_size": 4096,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "model_type": "qwen3_vl",
+    },
+}
+FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "qwen2_5_vl": (PREPROCESSOR_CONFIG, MODEL_CONFIG),
+    "qwen3_vl": (QWEN3_VL_PREPROCESSOR_CONFIG, QWEN3_VL_MODEL_CONFIG),
+}
+
+
 def _added_token(token_id: int, content: str) -> dict[str, Any]:
     return {
         "id": token_id,
@@ -147,7 +182,7 @@ def _added_token(token_id: int, content: str) -> dict[str, Any]:
     }
 
 
-def _write(out: Path, template: str) -> None:
+def _write(out: Path, template: str, family: str) -> None:
     tokenizer = json.loads((demo_model_dir() / "tokenizer.json").read_text(encoding="utf-8"))
     added = [_added_token(FIRST_ADDED_ID + i, text) for i, text in enumerate(ADDED_TOKENS)]
     tokenizer["added_tokens"] = added
@@ -167,13 +202,17 @@ def _write(out: Path, template: str) -> None:
         "chat_template": template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2))
+    preprocessor, model = FAMILIES[family]
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    (out / "config.json").write_text(json.dumps(model, indent=2))
 
 
-def vision_model_dir(template: str = QWEN2_VL_CHAT_TEMPLATE) -> Path:
-    """The directory, built once per template (a file lock serialises parallel builds)."""
+def vision_model_dir(template: str = QWEN2_VL_CHAT_TEMPLATE, family: str = "qwen2_5_vl") -> Path:
+    """The directory, built once per template and family (a file lock serialises parallel
+    builds)."""
     name = VISION_MODEL_NAME
+    if family != "qwen2_5_vl":
+        name = f"{family.replace('_', '-')}-demo"
     if template != QWEN2_VL_CHAT_TEMPLATE:
         name += "-" + hashlib.sha256(template.encode()).hexdigest()[:12]
     target = MODELS_DIR / name
@@ -186,7 +225,7 @@ def vision_model_dir(template: str = QWEN2_VL_CHAT_TEMPLATE) -> Path:
             return target
         scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=MODELS_DIR))
         try:
-            _write(scratch, template)
+            _write(scratch, template, family)
             (scratch / STAMP_FILE).write_text(json.dumps({"version": BUILD_VERSION}))
             if target.exists():
                 shutil.rmtree(target)

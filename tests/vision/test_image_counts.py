@@ -260,3 +260,15 @@ def test_anthropic_image_blocks_are_counted_as_the_engine(counter: PromptCounter
     ours = parse_messages_request(json.dumps(body).encode())
     theirs = vllm_chat_request(body)
     assert counter.count_chat(ours.messages or []) == len(sim.encode_chat(theirs["messages"]))
+
+
+def test_qwen3_vl_images_are_counted_as_the_engine() -> None:
+    """Qwen3-VL's directory values (patch 16, ``size`` 65536..16777216) under the same rule."""
+    directory = vision_model_dir(family="qwen3_vl")
+    counter = PromptCounter.from_model_dir(directory)
+    spec = counter.vision
+    assert spec is not None and (spec.patch_size, spec.min_pixels) == (16, 65536)
+    engine = sim_tokenization.SimTokenizer(directory)
+    for width, height in [(1, 1), (640, 480), (3000, 2000), (100, 5000)]:
+        messages = _messages([(width, height, "PNG")])
+        assert counter.count_chat(messages) == len(engine.encode_chat(messages)), (width, height)

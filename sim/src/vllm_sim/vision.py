@@ -29,7 +29,8 @@ from typing import Any
 
 from PIL import Image, ImageOps
 
-VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# vLLM's Qwen2-VL, Qwen2.5-VL and Qwen3-VL share the image side (Qwen2VLImageProcessor).
+VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_TOKEN = "<|image_pad|>"
 # vllm/multimodal/image.py: ALLOWED_IMAGE_FORMATS.

@@ -412,8 +412,8 @@ class EngineFlagsConfig(_Strict):
 
 
 class VisionConfig(_Strict):
-    """Bounds on the images of one request to a vision model (Qwen2-VL / Qwen2.5-VL
-    directories; other models refuse image parts). On a reload the model's counter is
+    """Bounds on the images of one request to a vision model (Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL directories; other models refuse image parts). On a reload the model's counter is
     loaded again before the swap."""
 
     # Image parts in one request (every message together).

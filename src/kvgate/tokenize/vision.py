@@ -40,9 +40,11 @@ from PIL import Image, UnidentifiedImageError
 
 from kvgate.tokenize.errors import PromptRenderError, TokenizerLoadError
 
-# The model types whose image rule is Qwen2-VL's (vLLM's Qwen2_5_VLProcessingInfo inherits
-# Qwen2VLProcessingInfo's). Qwen3-VL resizes with its own factor and is not counted here.
-QWEN2_VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# The model types whose image rule is Qwen2-VL's: vLLM's Qwen2_5_VLProcessingInfo and
+# Qwen3VLProcessingInfo inherit Qwen2VLProcessingInfo's image side (Qwen2VLImageProcessor,
+# smart_resize by patch_size x merge_size, the same placeholder and expansion); only the
+# directory's values differ (Qwen3-VL: patch 16, 65536 to 16777216 pixels).
+QWEN2_VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 QWEN2_VL_IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN2_VL_IMAGE_TOKEN = "<|image_pad|>"
 QWEN2_VL_VIDEO_TOKEN = "<|video_pad|>"
