@@ -11,6 +11,7 @@ import pytest
 
 from kvgate.lifecycle import Rejected
 from kvgate.lifecycle.billing import ResponseReading
+from kvgate.lifecycle.protocol import rejection_answer
 from kvgate.lifecycle.ticket import Ticket
 from kvgate.policy import ActualUsage, Reason, SettleCause
 from kvgate.protocols import EMBEDDINGS
@@ -137,3 +138,19 @@ async def test_chat_still_reserves_a_generation(life: Lifecycle) -> None:
     policy = life.snapshots.current.tenants["acme"]
     ticket = await life.admission().admit(request, policy, "c1", "c1/x")
     assert ticket.max_new_tokens == 100 and ticket.body_needs_cap
+
+
+async def test_more_inputs_than_the_configured_cap_are_refused_naming_input(
+    life: Lifecycle,
+) -> None:
+    cap = life.snapshots.current.config.server.max_pooling_inputs
+    assert cap == 2048  # the default
+    ticket = await admit(life, embedding([[1]] * cap))
+    assert ticket.prompt_tokens == cap
+    with pytest.raises(Rejected) as refused:
+        await admit(life, embedding([[1]] * 10_000), "e2")
+    rejection = refused.value.rejection
+    assert rejection.reason is Reason.TOO_MANY_INPUTS and rejection.param == "input"
+    assert "at most 2048 inputs" in rejection.message and "10000" in rejection.message
+    answer = json.loads(rejection_answer(rejection, EMBEDDINGS.errors).to_body())["error"]
+    assert (answer["param"], answer["code"]) == ("input", "too_many_inputs")

@@ -166,6 +166,10 @@ class ServerConfig(_Strict):
     # error when it cannot finish in time: keep it below Envoy's ext_proc message_timeout
     # (2 s in the shipped configs), or Envoy answers an empty 504 first.
     decision_timeout_s: Reload[float] = Field(default=1.5, gt=0, le=60)
+    # The most inputs (embeddings) or query-document pairs (rerank, score) one pooling
+    # request may carry: each is a prompt the engine encodes, and one request of ten
+    # thousand is one request to RPM and concurrency. At most kvgate.pooling.MAX_INPUTS.
+    max_pooling_inputs: Reload[int] = Field(default=2048, ge=1, le=65536)
     # The ext_proc filter's max_message_timeout in Envoy's config: the longest kvgate may
     # extend a message's deadline while a request waits in a pool's queue. Envoy ignores an
     # extension above it (and then answers 504 at message_timeout), so kvgate checks every

@@ -191,6 +191,7 @@ class Admission:
             # The request's Envoy route names the backend (or pool) that serves it. A budget
             # fallback model is still served by its own.
             route = replace(route, backend=backend)
+        self._refuse_too_many_inputs(request)
         # Once the pre-check took the tenant's RPM request, no later step takes it again (the
         # clamp's retry, the fallback's pre-check and reserve): one request, one slot.
         request_slot_taken = await self._reject_early(
@@ -221,6 +222,22 @@ class Admission:
                 if fallen is not None:
                     return fallen
         raise Rejected(rejection_of(decision))
+
+    def _refuse_too_many_inputs(self, request: ParsedRequest) -> None:
+        """A pooling request's inputs (or pairs), each a prompt the engine encodes, are at
+        most server.max_pooling_inputs."""
+        limit = self._snapshot.config.server.max_pooling_inputs
+        if request.generates or request.num_prompts <= limit:
+            return
+        param = request.prompt_param
+        raise Rejected(
+            Rejection(
+                Reason.TOO_MANY_INPUTS,
+                f"Invalid '{param}': at most {limit} inputs per request, but got "
+                f"{request.num_prompts}.",
+                param=param,
+            )
+        )
 
     async def take_request_slot(self, model: str, tenant: TenantPolicy, admission_id: str) -> bool:
         """Take the request's RPM slot before any answer source looks at it: a cache hit,

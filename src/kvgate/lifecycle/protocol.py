@@ -251,7 +251,9 @@ class UnmeteredApi(abc.ABC):
 
 
 # Waiting cannot help these: a 400 naming the field, with no Retry-After.
-_TOO_LARGE = frozenset({Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM})
+_TOO_LARGE = frozenset(
+    {Reason.REQUEST_EXCEEDS_KV_BUDGET, Reason.REQUEST_EXCEEDS_TPM, Reason.TOO_MANY_INPUTS}
+)
 # kvgate or what it depends on cannot decide now: 503 with Retry-After.
 _UNAVAILABLE = frozenset(
     {

@@ -33,6 +33,8 @@ class Reason(enum.StrEnum):
     RPM_EXCEEDED = "rpm_exceeded"
     TPM_EXCEEDED = "tpm_exceeded"
     REQUEST_EXCEEDS_TPM = "request_exceeds_tpm"
+    # A pooling request (embeddings, rerank, score) with more inputs than server.max_pooling_inputs.
+    TOO_MANY_INPUTS = "too_many_inputs"
     # The tenant's own limit on requests in flight.
     TENANT_CONCURRENCY_EXCEEDED = "concurrency_exceeded"
     BUDGET_EXCEEDED = "budget_exceeded"

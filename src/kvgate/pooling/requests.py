@@ -26,9 +26,9 @@ from kvgate.openai.requests import load_json_object
 EMBEDDINGS_PATH: Final = "/v1/embeddings"
 POOLING_PATH: Final = "/pooling"
 
-#: The most inputs one request may carry: each is a prompt the engine encodes, and a batch
-#: of ten thousand is one request to every limit but KV and tokens.
-MAX_INPUTS: Final = 2048
+#: The most inputs a body may carry, whatever the configuration: the ceiling of
+#: server.max_pooling_inputs (2048 by default), which admission applies.
+MAX_INPUTS: Final = 65536
 #: encoding_format values whose answer is JSON with its usage. vLLM's "bytes" and
 #: "bytes_only" answer raw bytes, whose usage kvgate cannot read.
 _JSON_FORMATS: Final = frozenset({"float", "base64"})
