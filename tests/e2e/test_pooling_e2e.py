@@ -389,3 +389,41 @@ def test_an_idempotency_key_replays_an_embedding_without_a_second_charge(stack: 
     assert other.status_code == 422
     assert other.json()["error"]["param"] == "Idempotency-Key"
     nothing_in_flight(stack)
+
+
+def test_the_exact_cache_answers_a_repeated_embedding_without_the_backend() -> None:
+    """Embeddings have no temperature: their answer is no sampling's, so the exact cache
+    keeps and serves them (a chat request needs temperature 0 for that)."""
+    embedding_model = {
+        "name": MODEL,
+        "tokenizer": str(wordllama_model_dir()),
+        "max_context": WORDLLAMA_MAX_MODEL_LEN,
+        "default_max_new_tokens": 16,
+        "backend": DEFAULT_BACKEND,
+    }
+    with Stack(
+        models=[*default_models(_demo_model_dir()), embedding_model],
+        sim={"extra_args": ["--embedding-model", "wordllama"]},
+        kvgate_overrides={"response_cache": {"enabled": True}},
+    ) as cached:
+
+        def arrived() -> int:
+            records = httpx.get(f"{cached.sim_url}/sim/requests?limit=1000", timeout=5).json()
+            return sum(1 for r in records["requests"] if r["path"] == "/v1/embeddings")
+
+        body = {"model": MODEL, "input": ["a chunk embedded twice", "and its neighbour"]}
+        first = post(cached, "/v1/embeddings", body)
+        assert first.status_code == 200 and first.headers["x-kvgate-cache"] == "miss"
+        count = arrived()
+        hit = wait_until(
+            lambda: post(cached, "/v1/embeddings", body),
+            lambda r: r.headers.get("x-kvgate-cache") == "hit",
+            timeout=5,
+            interval=0.1,
+        )
+        assert hit.json() == first.json()
+        assert arrived() == count
+        # The same bytes on /pooling never meet the embeddings entry.
+        other = post(cached, "/pooling", body)
+        assert other.status_code == 200 and other.headers["x-kvgate-cache"] == "miss"
+        nothing_in_flight(cached)

@@ -90,6 +90,8 @@ def cacheable(
     settings: ResponseCacheConfig,
     tenant: TenantConfig | None,
     model: ModelConfig | None = None,
+    *,
+    reproducible: bool = False,
 ) -> bool:
     """Whether the tenant uses the cache and the request (`body`: the client's own) is one
     it may serve. Whether a sampled request may be: the tenant's setting, else the
@@ -107,7 +109,8 @@ def cacheable(
         sampled = model.response_cache_sampled
     else:
         sampled = settings.sampled
-    return sampled or deterministic(body)
+    # reproducible: an answer no sampling shapes (a pooling request's vectors or scores).
+    return sampled or reproducible or deterministic(body)
 
 
 def deterministic(body: Mapping[str, Any]) -> bool:
@@ -256,6 +259,7 @@ class ExactCacheSource(AnswerSource):
             snapshot.config.response_cache,
             snapshot.tenant_configs.get(query.tenant.name),
             snapshot.model_configs.get(request.model),
+            reproducible=not request.generates,
         ) and not fetched_images(request.messages)
         if not use:
             self._metrics.response_cache.labels(CacheResult.BYPASS.value).inc()
