@@ -9,7 +9,11 @@ Each function edits the rendered file in place and returns its path:
 - `add_extproc_endpoints`: more endpoints in the ext_proc cluster (several ext_proc processes
   behind one Envoy);
 - `round_robin_clusters`: STATIC clusters with several endpoints, ROUND_ROBIN (the way to
-  serve one backend from several replicas without kvgate picking).
+  serve one backend from several replicas without kvgate picking);
+- `verify_jwt`: Envoy's jwt_authn filter ahead of ext_proc (a local JWKS file), its payload
+  forwarded to kvgate as dynamic metadata (docs/identity.md);
+- `require_client_certificates`: the LLM listener on TLS with client certificates of a CA,
+  the peer's URI SANs sent to kvgate as a request attribute.
 """
 
 from __future__ import annotations
@@ -110,5 +114,97 @@ def round_robin_clusters(path: Path, clusters: Mapping[str, Sequence[int]]) -> P
             cluster["load_assignment"]["endpoints"] = [
                 {"lb_endpoints": [_endpoint(port) for port in ports]}
             ]
+
+    return _edit(path, change)
+
+
+def _extproc_filters(config: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    for hcm in _connection_managers(config):
+        for http_filter in hcm.get("http_filters", []):
+            if EXTPROC_FILTER_TYPE in http_filter.get("typed_config", {}).get("@type", ""):
+                yield http_filter["typed_config"]
+
+
+JWT_AUTHN = "envoy.filters.http.jwt_authn"
+_TYPE_URL = "type.googleapis.com/"
+
+
+def verify_jwt(path: Path, *, issuer: str, jwks_file: Path, payload_key: str) -> Path:
+    """jwt_authn before ext_proc on every listener: a request with a token must carry a valid
+    one (Envoy answers 401 otherwise), one without passes (an API key then decides); the
+    verified payload goes to kvgate in the filter's metadata."""
+    jwt_filter = {
+        "name": JWT_AUTHN,
+        "typed_config": {
+            "@type": _TYPE_URL + "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {
+                "mesh": {
+                    "issuer": issuer,
+                    "local_jwks": {"filename": str(jwks_file)},
+                    "payload_in_metadata": payload_key,
+                    # The token is not a credential the model server should see.
+                    "forward": False,
+                }
+            },
+            "rules": [
+                {
+                    "match": {"prefix": "/"},
+                    "requires": {
+                        "requires_any": {
+                            "requirements": [{"provider_name": "mesh"}, {"allow_missing": {}}]
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+    def change(config: dict[str, Any]) -> None:
+        for hcm in _connection_managers(config):
+            filters = hcm.get("http_filters")
+            if not filters:
+                continue
+            at = next(
+                i
+                for i, f in enumerate(filters)
+                if EXTPROC_FILTER_TYPE in f.get("typed_config", {}).get("@type", "")
+            )
+            filters.insert(at, copy.deepcopy(jwt_filter))
+        for ext_proc in _extproc_filters(config):
+            options = ext_proc.setdefault("metadata_options", {})
+            options.setdefault("forwarding_namespaces", {}).setdefault("untyped", []).append(
+                JWT_AUTHN
+            )
+
+    return _edit(path, change)
+
+
+def require_client_certificates(path: Path, *, ca: Path, cert: Path, key: Path) -> Path:
+    """The first listener serves TLS with `cert`/`key` and requires a client certificate of
+    `ca`; ext_proc gets the peer's URI SANs (connection.uri_san_peer_certificate)."""
+
+    def change(config: dict[str, Any]) -> None:
+        listener = config["static_resources"]["listeners"][0]
+        for chain in listener["filter_chains"]:
+            chain["transport_socket"] = {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": _TYPE_URL
+                    + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                    "require_client_certificate": True,
+                    "common_tls_context": {
+                        "tls_certificates": [
+                            {
+                                "certificate_chain": {"filename": str(cert)},
+                                "private_key": {"filename": str(key)},
+                            }
+                        ],
+                        "validation_context": {"trusted_ca": {"filename": str(ca)}},
+                    },
+                },
+            }
+        for ext_proc in _extproc_filters(config):
+            attributes = ext_proc.setdefault("request_attributes", [])
+            attributes.append("connection.uri_san_peer_certificate")
 
     return _edit(path, change)

@@ -183,3 +183,29 @@ def test_a_queue_bound_envoy_would_not_honour_is_refused() -> None:
     assert "backends.0.queue.max_wait_s: 33 s" in str(info.value)
     data["server"]["envoy_max_message_timeout_s"] = 60
     assert parse_config(data).backends[0].queue.max_wait_s == 33  # type: ignore[union-attr]
+
+
+def test_a_tenant_without_a_key_needs_an_identity_source() -> None:
+    data = base()
+    data["tenants"].append({"name": "mesh-only"})
+    with pytest.raises(ConfigError, match="'mesh-only' has no API key"):
+        parse_config(data)
+    data["identity"] = {"spiffe": {"tenants": {"spiffe://cluster.local/ns/a/sa/b": "mesh-only"}}}
+    assert parse_config(data).identity.spiffe is not None
+    data["identity"] = {"jwt": {"tenant_claim": "org.team"}}
+    assert parse_config(data).identity.jwt is not None
+
+
+@pytest.mark.parametrize(
+    ("spiffe", "expected"),
+    [
+        ({"spiffe://cluster.local/ns/a/sa/b": "nobody"}, "names 'nobody', not a tenant"),
+        ({"https://cluster.local/ns/a": "demo"}, "is not a SPIFFE ID"),
+        ({}, "identity.spiffe.tenants"),
+    ],
+)
+def test_spiffe_ids_name_tenants(spiffe: dict[str, str], expected: str) -> None:
+    data = base()
+    data["identity"] = {"spiffe": {"tenants": spiffe}}
+    with pytest.raises(ConfigError, match=expected):
+        parse_config(data)

@@ -160,6 +160,14 @@ class AnthropicErrors:
         # Anthropic's wording; no part of the key is ever echoed.
         return AnthropicError(401, "invalid x-api-key", AUTHENTICATION_ERROR)
 
+    def unknown_identity(self) -> AnthropicError:
+        return AnthropicError(
+            401,
+            "The verified identity of this request (its token or client certificate) is not "
+            "allowed to use this gateway.",
+            AUTHENTICATION_ERROR,
+        )
+
     def model_not_found(self, model: str) -> AnthropicError:
         # Also the answer when the key may not use the model (as Anthropic: not found).
         return AnthropicError(404, f"model: {clip(model)}", NOT_FOUND_ERROR)

@@ -315,8 +315,10 @@ class TenantConfig(_Strict):
     cache_sharing: Reload[bool] = False
     # The semantic cache serves this tenant only if it opts in (and the model does too).
     semantic_cache: Reload[bool] = False
+    # Empty for a tenant only the mesh identifies (identity.jwt / identity.spiffe).
     api_key_sha256: Reload[list[str] | str] = Field(
-        description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`."
+        default_factory=list,
+        description="SHA-256 hex digest(s) of the tenant's API key(s); `kvgate hash-key`.",
     )
 
     @field_validator("name")
@@ -330,8 +332,6 @@ class TenantConfig(_Strict):
     @classmethod
     def _hashes(cls, value: list[str] | str) -> list[str]:
         hashes = [value] if isinstance(value, str) else value
-        if not hashes:
-            raise ValueError("needs at least one key hash")
         for digest in hashes:
             if not _SHA256_HEX.match(digest):
                 raise ValueError(
@@ -1020,6 +1020,46 @@ class UsageRecordsConfig(_Strict):
         return self
 
 
+class JwtIdentityConfig(_Strict):
+    """Callers identified by a token Envoy's jwt_authn filter verified: its payload, which
+    the provider puts in the filter's dynamic metadata (`payload_in_metadata`) and the
+    ext_proc filter forwards (`metadata_options.forwarding_namespaces.untyped`)."""
+
+    metadata_namespace: Reload[str] = Field(default="envoy.filters.http.jwt_authn", min_length=1)
+    # The provider's payload_in_metadata.
+    payload_key: Reload[str] = Field(default="jwt_payload", min_length=1)
+    # The claim whose value is the tenant's name in this config (a dotted path reaches into
+    # nested claims), and the one naming the user (access log, usage records).
+    tenant_claim: Reload[str] = Field(default="tenant", min_length=1)
+    user_claim: Reload[str | None] = Field(default="sub", min_length=1)
+    # Only tokens whose `iss` is one of these (empty: every issuer jwt_authn accepts).
+    issuers: Reload[list[str]] = Field(default_factory=list)
+
+
+class SpiffeIdentityConfig(_Strict):
+    """Callers identified by their mTLS certificate's SPIFFE ID (its URI SAN), which the
+    ext_proc filter sends as the `connection.uri_san_peer_certificate` request attribute."""
+
+    # SPIFFE ID -> tenant.
+    tenants: Reload[dict[str, str]] = Field(min_length=1)
+
+    @field_validator("tenants")
+    @classmethod
+    def _spiffe_ids(cls, value: dict[str, str]) -> dict[str, str]:
+        for spiffe_id in value:
+            if not spiffe_id.startswith("spiffe://") or len(spiffe_id) <= len("spiffe://"):
+                raise ValueError(f"{spiffe_id!r} is not a SPIFFE ID (spiffe://trust-domain/path)")
+        return value
+
+
+class IdentityConfig(_Strict):
+    """Who is calling, besides API keys: what the mesh verified (docs/identity.md). A
+    verified token is read first, then an API key, then the connection's SPIFFE ID."""
+
+    jwt: JwtIdentityConfig | None = None
+    spiffe: SpiffeIdentityConfig | None = None
+
+
 class KvgateConfig(_Strict):
     server: ServerConfig = ServerConfig()
     # "memory" (one process) or a Redis URL (redis://[[user]:password@]host:port/db or
@@ -1034,6 +1074,7 @@ class KvgateConfig(_Strict):
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     semantic_cache: SemanticCacheConfig = SemanticCacheConfig()
     usage_records: UsageRecordsConfig = UsageRecordsConfig()
+    identity: IdentityConfig = IdentityConfig()
 
     @field_validator("store")
     @classmethod
@@ -1107,6 +1148,21 @@ class KvgateConfig(_Strict):
                         f"tenants: tenants '{other}' and '{tenant.name}' share an API key"
                     )
         models = {m.name for m in self.models}
+        tenant_names = {t.name for t in self.tenants}
+        spiffe = self.identity.spiffe
+        spiffe_tenants = set(spiffe.tenants.values()) if spiffe else set()
+        for spiffe_id, name in spiffe.tenants.items() if spiffe else ():
+            if name not in tenant_names:
+                raise ValueError(
+                    f"identity.spiffe.tenants: {spiffe_id!r} names '{name}', not a tenant"
+                )
+        for i, tenant in enumerate(self.tenants):
+            unreachable = self.identity.jwt is None and tenant.name not in spiffe_tenants
+            if not tenant.key_hashes and unreachable:
+                raise ValueError(
+                    f"tenants.{i}.api_key_sha256: '{tenant.name}' has no API key, and no "
+                    "identity source (identity.jwt, identity.spiffe) can name it"
+                )
         for i, tenant in enumerate(self.tenants):
             for name in tenant.model_limits:
                 if name not in models:

@@ -92,6 +92,10 @@ class StreamFacts:
     snapshot: RuntimeSnapshot
     request_id: str = ""
     tenant: str | None = None
+    # Set when the mesh identified the caller (docs/identity.md): the token's user, and
+    # how ("jwt", "spiffe"); an API key leaves both None.
+    user: str | None = None
+    identity_source: str | None = None
 
     def metadata(
         self,
@@ -103,6 +107,10 @@ class StreamFacts:
         meta: dict[str, Any] = {"decision": decision}
         if self.tenant:
             meta["tenant"] = self.tenant
+        if self.identity_source:
+            meta["identity"] = self.identity_source
+        if self.user:
+            meta["user"] = self.user
         if isinstance(self.route, RouteSettings) and self.route.name:
             meta["route"] = self.route.name
         if request is not None:

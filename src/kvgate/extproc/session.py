@@ -34,6 +34,7 @@ from kvgate.extproc.handlers import (
     UnmeteredHandler,
 )
 from kvgate.extproc.handoff import METADATA_KEY
+from kvgate.extproc.identity import IdentityRefused, mesh_caller
 from kvgate.extproc.priority_header import parse_priority_class
 from kvgate.extproc.route_settings import (
     BACKEND_KEY,
@@ -162,7 +163,7 @@ class StreamSession:
                 if self.phase is not Phase.REQUEST_HEADERS:
                     # A second head for one request: nothing it says is taken.
                     return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-                return await self._on_request_headers(message.request_headers)
+                return await self._on_request_headers(message.request_headers, message)
             if kind == "request_body":
                 return await handler.on_request_body(message.request_body)
             if kind == "response_headers":
@@ -242,7 +243,9 @@ class StreamSession:
 
     # ------------------------------------------------------------------ request headers
 
-    async def _on_request_headers(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
+    async def _on_request_headers(
+        self, http: pb.HttpHeaders, message: pb.ProcessingRequest
+    ) -> pb.ProcessingResponse:
         facts = self._facts
         headers = messages.header_map_to_dict(http.headers)
         facts.request_id = headers.get("x-request-id", "")
@@ -270,9 +273,18 @@ class StreamSession:
         credentials = (
             (*CREDENTIAL_HEADERS, route.key_header) if route.key_header else CREDENTIAL_HEADERS
         )
-        if key is None:
+        try:
+            caller = mesh_caller(message, snapshot.config.identity, snapshot.tenants, key)
+        except IdentityRefused as refused:
+            log.info("identity refused: %s", refused, extra={"request_id": facts.request_id})
+            return self._reject(errors.unknown_identity(), Outcome.UNKNOWN_IDENTITY)
+        if caller is not None:
+            tenant: str | None = caller.tenant
+            facts.user, facts.identity_source = caller.user, caller.source
+        elif key is None:
             return self._reject(errors.missing_api_key(route.key_header), Outcome.MISSING_API_KEY)
-        tenant = snapshot.tenants_by_key_hash.get(hash_api_key(key))
+        else:
+            tenant = snapshot.tenants_by_key_hash.get(hash_api_key(key))
         if tenant is None:
             return self._reject(errors.invalid_api_key(), Outcome.INVALID_API_KEY)
         facts.tenant = tenant

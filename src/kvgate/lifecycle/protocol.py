@@ -54,6 +54,8 @@ class ErrorVocabulary(Protocol):
 
     def invalid_api_key(self) -> ErrorAnswer: ...
 
+    def unknown_identity(self) -> ErrorAnswer: ...
+
     def model_not_found(self, model: str) -> ErrorAnswer: ...
 
     def context_length_exceeded(
@@ -113,6 +115,8 @@ class Outcome(enum.Enum):
     USAGE_REPORT = "usage_report"
     MISSING_API_KEY = "missing_api_key"
     INVALID_API_KEY = "invalid_api_key"
+    # A token or client certificate the mesh verified names no tenant.
+    UNKNOWN_IDENTITY = "unknown_identity"
     INVALID_REQUEST = "invalid_request"
     UNSUPPORTED_PATH = "unsupported_path"
     # kvgate could not decide within server.decision_timeout_s (before Envoy's deadline).

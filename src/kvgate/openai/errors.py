@@ -45,6 +45,7 @@ __all__ = [
     "route_misconfigured",
     "service_unavailable",
     "tenant_not_allowed_on_route",
+    "unknown_identity",
     "unsupported_path",
     "without_addresses",
 ]
@@ -163,6 +164,19 @@ def missing_api_key(header: str | None = None) -> ApiError:
         None,
         None,
         {"www-authenticate": "Bearer"},
+    )
+
+
+def unknown_identity() -> ApiError:
+    """401: the caller's identity, verified by the mesh (a token, a client certificate),
+    names no tenant of this gateway. Which tenants exist is never said."""
+    return ApiError(
+        401,
+        "The verified identity of this request (its token or client certificate) is not "
+        "allowed to use this gateway.",
+        INVALID_REQUEST_ERROR,
+        "unknown_identity",
+        None,
     )
 
 
