@@ -29,6 +29,7 @@ from openai import OpenAI
 from testbed.harness import (
     DEFAULT_BACKEND,
     DEMO_TENANT,
+    REPO_ROOT,
     Stack,
     _demo_model_dir,
     default_models,
@@ -427,3 +428,30 @@ def test_the_exact_cache_answers_a_repeated_embedding_without_the_backend() -> N
         other = post(cached, "/pooling", body)
         assert other.status_code == 200 and other.headers["x-kvgate-cache"] == "miss"
         nothing_in_flight(cached)
+
+
+def test_the_split_layout_meters_an_embedding_from_the_observed_answer() -> None:
+    """envoy-observability.yaml: admitted on the request path, the answer metered by the
+    observing stream, which reads the embeddings' usage as the inline layout does."""
+    embedding_model = {
+        "name": MODEL,
+        "tokenizer": str(wordllama_model_dir()),
+        "max_context": WORDLLAMA_MAX_MODEL_LEN,
+        "default_max_new_tokens": 16,
+        "backend": DEFAULT_BACKEND,
+    }
+    with Stack(
+        models=[*default_models(_demo_model_dir()), embedding_model],
+        sim={"extra_args": ["--embedding-model", "wordllama"]},
+        envoy_config=REPO_ROOT / "envoy" / "envoy-observability.yaml",
+    ) as split:
+        before = tenant_totals(split)
+        with sdk(split) as client:
+            raw = client.embeddings.with_raw_response.create(
+                model=MODEL, input=["observed", "and metered"]
+            )
+        served = raw.parse().usage.prompt_tokens
+        assert kvgate_count(split, raw.headers["x-request-id"]) == served
+        billed = settled(split, before, 1)
+        assert (billed["prompt_tokens"], billed["output_tokens"]) == (served, 0)
+        nothing_in_flight(split)
