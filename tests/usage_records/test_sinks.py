@@ -195,3 +195,15 @@ async def test_a_database_newer_than_this_kvgate_is_refused(new_sink: SinkFactor
     finally:
         await again.close()
     assert await _raw(sink, "SELECT count(*) FROM usage_records") == [(0,)]
+
+
+async def test_hostile_text_is_clipped_and_stored(sink: SqliteSink | PostgresSink) -> None:
+    """A client picks its x-request-id: NUL (PostgreSQL's text refuses it, which would hold
+    the whole batch back) and megabytes are not stored as sent."""
+    hostile = UsageRecord(
+        **{**_fields(make_record(1)), "request_id": "a\x00b" + "x" * 100_000, "path": "/p\x00"}
+    )
+    assert await sink.insert([hostile, make_record(2)]) == 2
+    [stored, _] = await read_all(sink)
+    assert stored.request_id == "ab" + "x" * 253  # clipped to 256, then the NUL dropped
+    assert stored.path == "/p"

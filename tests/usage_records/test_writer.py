@@ -170,3 +170,22 @@ async def test_a_full_buffer_drops_records_and_never_blocks(tmp_path: Path) -> N
     reader = SqliteSink(tmp_path / "r.sqlite3")
     assert len(await _ids(reader)) == 100
     await reader.close()
+
+
+async def test_batches_a_previous_run_left_in_the_spool_are_shipped_first(tmp_path: Path) -> None:
+    """What a killed process had spooled: read back from its files at the next start, with a
+    batch the sink already had (its commit landed before the kill) written once."""
+    left = Spool(tmp_path / "spool", 10**8)
+    left.write([make_record(n) for n in range(1, 11)])
+    left.write([make_record(n) for n in range(11, 21)])
+    left.close()
+    sink = SqliteSink(tmp_path / "r.sqlite3")
+    await sink.insert([make_record(n) for n in range(1, 11)])
+    writer = UsageRecordWriter(sink, Spool(tmp_path / "spool", 10**8), flush_interval_s=0.05)
+    writer.start()
+    writer.add(make_record(21))
+    await _wait_for(lambda: writer.counts.inserted == 11 and writer.spool.size_bytes == 0)
+    await writer.close()
+    reader = SqliteSink(tmp_path / "r.sqlite3")
+    assert await _ids(reader) == [f"rec-{n:06d}" for n in range(1, 22)]
+    await reader.close()

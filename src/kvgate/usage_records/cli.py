@@ -10,7 +10,6 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -47,8 +46,16 @@ def parse_month(text: str) -> str:
     return text
 
 
+def _cell(value: Any) -> Any:
+    """A CSV cell a spreadsheet will not run: text a client chose (its x-request-id) that
+    starts like a formula gets a leading apostrophe (OWASP's CSV injection advice)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
 def _row(record: UsageRecord) -> dict[str, Any]:
-    row = asdict(record)
+    row = record.as_dict()
     row["occurred_at"] = record.occurred_at_utc.isoformat()
     row["answer_source"] = record.answer_source.value
     row["cost_usd"] = money(record.cost_pico)
@@ -61,7 +68,9 @@ async def write_records(sink: RecordSink, query: RecordQuery, out: TextIO, fmt: 
     if fmt == "csv":
         table = csv.DictWriter(out, fieldnames=[*COLUMNS, "cost_usd"], lineterminator="\n")
         table.writeheader()
-        writer = table.writerow
+
+        def writer(row: dict[str, Any]) -> None:
+            table.writerow({name: _cell(value) for name, value in row.items()})
     else:
 
         def writer(row: dict[str, Any]) -> None:

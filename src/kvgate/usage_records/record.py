@@ -6,9 +6,10 @@ import enum
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from decimal import Decimal
+from operator import attrgetter
 from typing import Any
 
 from kvgate.policy import Pricing, pico_to_usd
@@ -35,7 +36,8 @@ def pricing_version(pricing: Pricing) -> str:
 
 
 def _clip(value: str | None) -> str | None:
-    return None if value is None else value[:MAX_TEXT]
+    # PostgreSQL's text refuses NUL: one such record would hold its whole batch back.
+    return None if value is None else value[:MAX_TEXT].replace("\x00", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +88,10 @@ class UsageRecord:
     key_id: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("record_id", "request_id", "tenant", "api", "path"):
-            object.__setattr__(self, name, getattr(self, name)[:MAX_TEXT])
-        for name in ("requested_model", "served_model"):
-            object.__setattr__(self, name, getattr(self, name)[:MAX_TEXT])
-        for name in ("backend", "endpoint", "route"):
-            object.__setattr__(self, name, _clip(getattr(self, name)))
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (len(value) > MAX_TEXT or "\x00" in value):
+                object.__setattr__(self, name, _clip(value))
 
     @property
     def cost_usd(self) -> Decimal:
@@ -102,8 +102,12 @@ class UsageRecord:
         return datetime.fromtimestamp(self.occurred_at, UTC)
 
     def to_json(self) -> str:
-        """One line of the spool (and of `kvgate usage records --format jsonl`)."""
-        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False)
+        """One line of the spool."""
+        return json.dumps(self.as_dict(), separators=(",", ":"), allow_nan=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        # Flat fields only: a comprehension, not dataclasses.asdict (a deep copy, 5x slower).
+        return dict(zip(_FIELD_NAMES, _fields_of(self), strict=True))
 
     @classmethod
     def from_json(cls, line: str | bytes) -> UsageRecord:
@@ -120,6 +124,23 @@ class UsageRecord:
         values["answer_source"] = AnswerSource(values["answer_source"])
         return cls(**values)
 
+
+_FIELD_NAMES: tuple[str, ...] = tuple(UsageRecord.__dataclass_fields__)
+# Text that may come from a client or a config: clipped, without NUL.
+_TEXT_FIELDS = (
+    "record_id",
+    "request_id",
+    "tenant",
+    "api",
+    "path",
+    "requested_model",
+    "served_model",
+    "backend",
+    "endpoint",
+    "route",
+)
+# Every field's value at once, in _FIELD_NAMES' order (one C call).
+_fields_of = attrgetter(*_FIELD_NAMES)
 
 _INTS = {"prompt_tokens", "cached_tokens", "output_tokens", "cost_pico", "status", "saved_tokens"}
 _OPTIONAL_INTS = {"reasoning_tokens"}

@@ -11,6 +11,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,8 +34,7 @@ _INSERT = (
 _BOOLS = ("booked_request", "cache_hit")
 
 
-def _row(record: UsageRecord) -> tuple[Any, ...]:
-    return tuple(getattr(record, name) for name in COLUMNS)
+_row: Callable[[UsageRecord], tuple[Any, ...]] = attrgetter(*COLUMNS)
 
 
 def _record(row: sqlite3.Row) -> UsageRecord:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvgate.usage_records.record import UsageRecord
 from kvgate.usage_records.sink import RecordSink
@@ -66,6 +67,9 @@ class UsageRecordWriter:
         self._retry_interval_s = retry_interval_s
         self._on_sink_state = on_sink_state
         self._buffer: list[UsageRecord] = []
+        # Batches this process spooled, still in memory: shipped without reading their file
+        # back (a file a previous run left is read).
+        self._spooled_batches: dict[Path, Sequence[UsageRecord]] = {}
         self._flush_now = asyncio.Event()
         self._spooled = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -116,7 +120,7 @@ class UsageRecordWriter:
             batch = self._buffer[: self._batch_size]
             del self._buffer[: self._batch_size]
             try:
-                await asyncio.to_thread(self.spool.write, batch)
+                path = await asyncio.to_thread(self.spool.write, batch)
             except SpoolFull as full:
                 self.counts.dropped += len(batch)
                 log.error("usage records dropped: %s", full, extra={"records": len(batch)})
@@ -125,6 +129,7 @@ class UsageRecordWriter:
                 self.counts.dropped += len(batch)
                 log.exception("usage records dropped: the spool cannot be written")
                 continue
+            self._spooled_batches[path] = batch
             self.counts.spooled += len(batch)
             self._spooled.set()
 
@@ -143,11 +148,14 @@ class UsageRecordWriter:
     async def ship_once(self) -> bool:
         """Ship every spool file, oldest first; False when the sink failed (the file stays)."""
         for path in await asyncio.to_thread(self.spool.files):
-            batch = await asyncio.to_thread(self.spool.read, path)
-            self.counts.unreadable_spool_lines += batch.unreadable_lines
+            records = self._spooled_batches.get(path)
+            if records is None:
+                batch = await asyncio.to_thread(self.spool.read, path)
+                self.counts.unreadable_spool_lines += batch.unreadable_lines
+                records = batch.records
             try:
                 async with asyncio.timeout(self._write_timeout_s):
-                    inserted = await self.sink.insert(batch.records)
+                    inserted = await self.sink.insert(records)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -156,6 +164,7 @@ class UsageRecordWriter:
                 return False
             self.counts.inserted += inserted
             await asyncio.to_thread(self.spool.remove, path)
+            self._spooled_batches.pop(path, None)
             self._sink_state(True, None)
         return True
 
