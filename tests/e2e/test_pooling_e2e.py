@@ -455,3 +455,69 @@ def test_the_split_layout_meters_an_embedding_from_the_observed_answer() -> None
         billed = settled(split, before, 1)
         assert (billed["prompt_tokens"], billed["output_tokens"]) == (served, 0)
         nothing_in_flight(split)
+
+
+def test_a_pool_places_embeddings_and_reranks_on_its_endpoints() -> None:
+    """A backend that is a pool of two replicas: each pooling request is reserved on the
+    endpoint it is placed on (the prompt's KV only) and released there."""
+    pool = "pool"
+    template = str(reranker_template())
+    # The first model of the pool is the one each replica serves as its own (the demo
+    # tokenizer); the embedding model is the replicas' --embedding-model.
+    models = [
+        {
+            "name": RERANKER_MODEL_NAME,
+            "tokenizer": str(_demo_model_dir()),
+            "max_context": RERANKER_MAX_CONTEXT,
+            "default_max_new_tokens": 16,
+            "backend": pool,
+            "engine_flags": {"chat_template": template},
+        },
+        {
+            "name": MODEL,
+            "tokenizer": str(wordllama_model_dir()),
+            "max_context": WORDLLAMA_MAX_MODEL_LEN,
+            "default_max_new_tokens": 16,
+            "backend": pool,
+        },
+    ]
+    backends = [
+        {
+            "name": pool,
+            "kv_budget_tokens": 48_000,
+            "kv_block_size": 16,
+            "max_concurrent_requests": 64,
+            "discovery": {"metrics_url": "http://{endpoint}/metrics", "interval_s": 0.5},
+        }
+    ]
+    extra = ["--embedding-model", "wordllama", "--score-template", template]
+    with Stack(
+        models=models, backends=backends, pool_replicas={pool: 2}, sim={"extra_args": extra}
+    ) as pooled:
+        before = tenant_totals(pooled)
+        served = 0
+        for i in range(4):
+            embedded = post(pooled, "/v1/embeddings", {"model": MODEL, "input": f"chunk {i}"})
+            assert embedded.status_code == 200, embedded.text
+            reranked = post(
+                pooled,
+                "/v1/rerank",
+                {"model": RERANKER_MODEL_NAME, "query": "q", "documents": [f"d{i}", "e"]},
+            )
+            assert reranked.status_code == 200, reranked.text
+            for answer in (embedded, reranked):
+                tokens = answer.json()["usage"]["prompt_tokens"]
+                assert kvgate_count(pooled, answer.headers["x-request-id"]) == tokens
+                served += tokens
+        billed = settled(pooled, before, 8)
+        assert (billed["prompt_tokens"], billed["output_tokens"]) == (served, 0)
+        metrics = kvgate_metrics(pooled)
+        assert (
+            wait_until(
+                lambda: kvgate_metrics(pooled).total("kvgate_requests_in_flight"),
+                lambda v: v == 0,
+                timeout=TIMEOUT_S,
+            )
+            == 0
+        )
+        del metrics
