@@ -6,11 +6,12 @@ Not a test. Two parts:
   the sink's idempotent inserts) for SQLite and a private PostgreSQL server: records/s from
   the first `add` to the last row committed, and the cost of one `add` (ns).
 - path: the real stack (Envoy -> kvgate -> simulator, no generation delay) driven by
-  `--concurrency` clients for `--seconds`, with records off, to SQLite and to PostgreSQL:
-  client latency p50/p99, kvgate's decision p99 (from its `kvgate_decision_seconds`
-  histogram, interpolated in the bucket), requests/s.
+  `--concurrency` clients, with records off, to SQLite and to PostgreSQL: the three stacks
+  run side by side and take turns in `--rounds` slices of `--seconds`, so the machine's
+  other load falls on each alike. Client latency p50/p99, kvgate's decision p50/p99 (its
+  `kvgate_decision_seconds` histogram, interpolated in the bucket), requests/s.
 
-    .venv/bin/python bench/usage_records_bench.py [--records 200000] [--seconds 20]
+    .venv/bin/python -m bench.usage_records_bench [--records 200000] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -56,16 +57,20 @@ async def sink_throughput(sink: RecordSink, spool_dir: Path, count: int) -> dict
     return {"records_per_s": count / elapsed, "add_ns": add_ns / count, "seconds": elapsed}
 
 
-def _histogram_quantile(metrics: Any, name: str, q: float) -> float:
-    buckets: list[tuple[float, float]] = []
+def _buckets(metrics: Any, name: str) -> dict[float, float]:
+    """Cumulative bucket counts of a histogram, summed over its labels."""
+    totals: dict[float, float] = {}
     for (sample, labels), value in metrics.samples.items():
         if sample == f"{name}_bucket":
             le = dict(labels)["le"]
-            buckets.append((float("inf") if le == "+Inf" else float(le), value))
-    totals: dict[float, float] = {}
-    for le, value in buckets:
-        totals[le] = totals.get(le, 0.0) + value
-    ordered = sorted(totals.items())
+            bound = float("inf") if le == "+Inf" else float(le)
+            totals[bound] = totals.get(bound, 0.0) + value
+    return totals
+
+
+def _quantile(buckets: dict[float, float], q: float) -> float:
+    """Prometheus' histogram_quantile: linear within the bucket."""
+    ordered = sorted(buckets.items())
     if not ordered or ordered[-1][1] == 0:
         return float("nan")
     target = q * ordered[-1][1]
@@ -74,8 +79,7 @@ def _histogram_quantile(metrics: Any, name: str, q: float) -> float:
         if cumulative >= target:
             if le == float("inf"):
                 return lower
-            share = (target - below) / max(cumulative - below, 1e-9)
-            return lower + (le - lower) * share
+            return lower + (le - lower) * (target - below) / max(cumulative - below, 1e-9)
         lower, below = le, cumulative
     return lower
 
@@ -103,54 +107,64 @@ async def _drive(base_url: str, concurrency: int, seconds: float) -> list[float]
     return latencies
 
 
-def path_cost(mode: str, concurrency: int, seconds: float, dsn_file: Path | None) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="kvgate-records-bench-"))
-    overrides: dict[str, Any] = {}
+def _overrides(mode: str, work: Path, dsn_file: Path) -> dict[str, Any]:
+    if mode == "off":
+        return {}
+    records: dict[str, Any] = {"sink": mode, "spool_dir": str(work / f"spool-{mode}")}
     if mode == "sqlite":
-        overrides = {
-            "usage_records": {
-                "sink": "sqlite",
-                "sqlite_path": str(work / "r.sqlite3"),
-                "spool_dir": str(work / "spool"),
-            }
-        }
-    elif mode == "postgres":
-        assert dsn_file is not None
-        overrides = {
-            "usage_records": {
-                "sink": "postgres",
-                "postgres_dsn_file": str(dsn_file),
-                "spool_dir": str(work / "spool"),
-            }
-        }
+        records["sqlite_path"] = str(work / "path.sqlite3")
+    else:
+        records["postgres_dsn_file"] = str(dsn_file)
+    return {"usage_records": records}
+
+
+def path_cost(
+    modes: list[str], concurrency: int, seconds: float, rounds: int, work: Path, dsn_file: Path
+) -> None:
+    """The stacks run side by side and take turns (`rounds` slices of `seconds` each), so
+    the machine's other load falls on every mode alike."""
+    stacks: dict[str, Stack] = {}
+    latencies: dict[str, list[float]] = {mode: [] for mode in modes}
+    decisions: dict[str, dict[float, float]] = {mode: {} for mode in modes}
     try:
-        with Stack(
-            kvgate_overrides=overrides, work_dir=work, sim={"ttft_ms": 0, "itl_ms": 0}
-        ) as stack:
+        for mode in modes:
+            stack = Stack(
+                kvgate_overrides=_overrides(mode, work, dsn_file),
+                work_dir=work / f"stack-{mode}",
+                sim={"ttft_ms": 0, "itl_ms": 0},
+            )
+            stacks[mode] = stack.start()
             asyncio.run(_drive(stack.base_url, concurrency, 2.0))  # warm up
-            before = kvgate_metrics(stack)
-            latencies = asyncio.run(_drive(stack.base_url, concurrency, seconds))
-            after = kvgate_metrics(stack)
-            del before
-            latencies.sort()
-            inserted = after.total("kvgate_usage_records_total", state="inserted")
-            return {
-                "mode": mode,
-                "requests_per_s": len(latencies) / seconds,
-                "client_p50_ms": 1000 * statistics.median(latencies),
-                "client_p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
-                "decision_p99_ms": 1000
-                * _histogram_quantile(after, "kvgate_decision_seconds", 0.99),
-                "records_inserted": inserted,
-            }
+        for round_ in range(rounds):
+            for mode in modes[round_ % len(modes) :] + modes[: round_ % len(modes)]:
+                stack = stacks[mode]
+                before = _buckets(kvgate_metrics(stack), "kvgate_decision_seconds")
+                latencies[mode] += asyncio.run(_drive(stack.base_url, concurrency, seconds))
+                after = _buckets(kvgate_metrics(stack), "kvgate_decision_seconds")
+                for le, count in after.items():
+                    decisions[mode][le] = decisions[mode].get(le, 0.0) + count - before.get(le, 0)
+        for mode in modes:
+            done = sorted(latencies[mode])
+            inserted = kvgate_metrics(stacks[mode]).total(
+                "kvgate_usage_records_total", state="inserted"
+            )
+            print(
+                f"path {mode:8} {len(done) / (seconds * rounds):>7.0f} req/s  client p50 "
+                f"{1000 * statistics.median(done):.2f} ms p99 "
+                f"{1000 * done[int(0.99 * (len(done) - 1))]:.2f} ms  decision p50 "
+                f"{1000 * _quantile(decisions[mode], 0.5):.3f} ms p99 "
+                f"{1000 * _quantile(decisions[mode], 0.99):.3f} ms  records {inserted:.0f}"
+            )
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        for stack in stacks.values():
+            stack.stop()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=200_000)
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=5.0, help="one slice of one mode")
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--skip-path", action="store_true")
     args = parser.parse_args()
@@ -173,13 +187,14 @@ def main() -> None:
                 return
             dsn_file = work / "dsn"
             dsn_file.write_text(postgres.create_database())
-            for mode in ("off", "sqlite", "postgres", "off"):
-                r = path_cost(mode, args.concurrency, args.seconds, dsn_file)
-                print(
-                    f"path {r['mode']:8} {r['requests_per_s']:>7.0f} req/s  client p50 "
-                    f"{r['client_p50_ms']:.2f} ms p99 {r['client_p99_ms']:.2f} ms  decision p99 "
-                    f"{r['decision_p99_ms']:.3f} ms  records {r['records_inserted']:.0f}"
-                )
+            path_cost(
+                ["off", "sqlite", "postgres"],
+                args.concurrency,
+                args.seconds,
+                args.rounds,
+                work,
+                dsn_file,
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
