@@ -103,7 +103,7 @@ def test_media_parts_rejected() -> None:
         {"image_url": "https://example.com/cat.png"},
     ):
         # Images too: without a collector (a text model) they are refused.
-        with pytest.raises(PromptRenderError, match="only text|takes no images"):
+        with pytest.raises(PromptRenderError, match=r"only text|takes no images"):
             parse_messages([{"role": "user", "content": [part]}], "string")
 
 
