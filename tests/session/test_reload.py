@@ -221,6 +221,17 @@ RESTART_EXAMPLES: dict[str, dict[str, Any]] = {
     "tracing.sample_ratio": {"tracing.sample_ratio": 0.5},
     "tracing.trust_parent_sampling": {"tracing.trust_parent_sampling": True},
     "tracing.tenant_attribute": {"tracing.tenant_attribute": True},
+    "usage_records.sink": {"usage_records.sink": "sqlite"},
+    "usage_records.sqlite_path": {"usage_records.sqlite_path": "/var/other.sqlite3"},
+    "usage_records.postgres_dsn_env": {"usage_records.postgres_dsn_env": "RECORDS_DSN"},
+    "usage_records.postgres_dsn_file": {"usage_records.postgres_dsn_file": "/run/dsn"},
+    "usage_records.spool_dir": {"usage_records.spool_dir": "/var/other-spool"},
+    "usage_records.max_spool_bytes": {"usage_records.max_spool_bytes": 2 * 1024**3},
+    "usage_records.max_buffered_records": {"usage_records.max_buffered_records": 5000},
+    "usage_records.flush_interval_s": {"usage_records.flush_interval_s": 1.0},
+    "usage_records.batch_size": {"usage_records.batch_size": 100},
+    "usage_records.write_timeout_s": {"usage_records.write_timeout_s": 3.0},
+    "usage_records.retry_interval_s": {"usage_records.retry_interval_s": 2.0},
     # Operator TLS (the files are not read: the refusal comes first).
     "server.operator_https_listen": {
         "server.operator_https_listen": "127.0.0.1:4",
