@@ -182,7 +182,136 @@ def _added_token(token_id: int, content: str) -> dict[str, Any]:
     }
 
 
+# llava-hf/llava-1.5-7b-hf: its chat template (chat_template.json, an "openai"-format one:
+# the images of a message first, one `<image>` line each, then its texts).
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}{# Render all text next #}"
+    "{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+LLAVA_IMAGE_TOKEN_ID = 32000
+# llava-1.5-7b-hf's config.json (the fields vLLM reads): CLIP ViT-L/14-336 as its tower.
+LLAVA_MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "ignore_index": -100,
+    "image_token_index": LLAVA_IMAGE_TOKEN_ID,
+    "model_type": "llava",
+    "pad_token_id": 32001,
+    "projector_hidden_act": "gelu",
+    "text_config": {
+        "_name_or_path": "lmsys/vicuna-7b-v1.5",
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "rms_norm_eps": 1e-05,
+        "torch_dtype": "float16",
+        "vocab_size": 32064,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vision_config": {
+        "hidden_size": 1024,
+        "image_size": 336,
+        "intermediate_size": 4096,
+        "model_type": "clip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "projection_dim": 768,
+        "vocab_size": 32000,
+    },
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "vocab_size": 32064,
+}
+# Its processor_config.json and preprocessor_config.json (CLIPImageProcessor, 336 crop).
+LLAVA_PROCESSOR_CONFIG: dict[str, Any] = {
+    "image_token": "<image>",
+    "num_additional_image_tokens": 1,
+    "patch_size": 14,
+    "processor_class": "LlavaProcessor",
+    "vision_feature_select_strategy": "default",
+}
+LLAVA_PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "crop_size": {"height": 336, "width": 336},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_processor_type": "CLIPImageProcessor",
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "processor_class": "LlavaProcessor",
+    "resample": 3,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"shortest_edge": 336},
+}
+
+# LLaVA-1.5 directories (llava.py): "llava" is llava-1.5-7b-hf's; "llava_full" the same
+# with vision_feature_select_strategy "full" (the CLS token kept: 577 per image).
+LLAVA_FAMILIES: dict[str, dict[str, Any]] = {
+    "llava": LLAVA_MODEL_CONFIG,
+    "llava_full": {**LLAVA_MODEL_CONFIG, "vision_feature_select_strategy": "full"},
+}
+
+
+def _write_llava(out: Path, template: str, model: dict[str, Any]) -> None:
+    """The Llama-2 vocabulary (WordLlama's copy of it) with llava-1.5's `<image>` and `<pad>`
+    added at 32000 and 32001, as llava-1.5-7b-hf's tokenizer.json holds them."""
+    from testbed.pooling_models import wordllama_model_dir
+
+    tokenizer = json.loads((wordllama_model_dir() / "tokenizer.json").read_text(encoding="utf-8"))
+    extra = [("<image>", LLAVA_IMAGE_TOKEN_ID), ("<pad>", LLAVA_IMAGE_TOKEN_ID + 1)]
+    for content, token_id in extra:
+        tokenizer["added_tokens"].append(
+            {
+                "id": token_id,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    decoder = {
+        str(token["id"]): {k: v for k, v in token.items() if k != "id"}
+        for token in tokenizer["added_tokens"]
+    }
+    config = {
+        # The fast tokenizer is tokenizer.json as written (transformers' LlamaTokenizer
+        # class would rebuild its normalizer from `legacy`).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": decoder,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+    (out / "processor_config.json").write_text(json.dumps(LLAVA_PROCESSOR_CONFIG, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(LLAVA_PREPROCESSOR_CONFIG, indent=2))
+    (out / "config.json").write_text(json.dumps(model, indent=2))
+
+
 def _write(out: Path, template: str, family: str) -> None:
+    if family in LLAVA_FAMILIES:
+        _write_llava(out, template, LLAVA_FAMILIES[family])
+        return
     tokenizer = json.loads((demo_model_dir() / "tokenizer.json").read_text(encoding="utf-8"))
     added = [_added_token(FIRST_ADDED_ID + i, text) for i, text in enumerate(ADDED_TOKENS)]
     tokenizer["added_tokens"] = added
@@ -207,13 +336,15 @@ def _write(out: Path, template: str, family: str) -> None:
     (out / "config.json").write_text(json.dumps(model, indent=2))
 
 
-def vision_model_dir(template: str = QWEN2_VL_CHAT_TEMPLATE, family: str = "qwen2_5_vl") -> Path:
+def vision_model_dir(template: str | None = None, family: str = "qwen2_5_vl") -> Path:
     """The directory, built once per template and family (a file lock serialises parallel
-    builds)."""
+    builds); ``template`` defaults to the family's own."""
     name = VISION_MODEL_NAME
     if family != "qwen2_5_vl":
         name = f"{family.replace('_', '-')}-demo"
-    if template != QWEN2_VL_CHAT_TEMPLATE:
+    default = LLAVA_CHAT_TEMPLATE if family in LLAVA_FAMILIES else QWEN2_VL_CHAT_TEMPLATE
+    template = default if template is None else template
+    if template != default:
         name += "-" + hashlib.sha256(template.encode()).hexdigest()[:12]
     target = MODELS_DIR / name
     stamp = target / STAMP_FILE

@@ -558,9 +558,16 @@ class SimTokenizer:
         for word in _WORDS:
             piece = " " + word
             encoded = self._tok.encode(piece, add_special_tokens=False)
-            if len(encoded) != 1 or encoded[0] in seen:
+            if len(encoded) != 1:
+                # A SentencePiece vocabulary (Llama-2's) writes the word's space itself.
+                encoded = self._tok.encode(word, add_special_tokens=False)
+                if len(encoded) != 1 or self._tok.convert_ids_to_tokens(encoded[0]) != (
+                    "\u2581" + word
+                ):
+                    continue
+            elif self._tok.decode(encoded) != piece:
                 continue
-            if self._tok.decode(encoded) != piece:
+            if encoded[0] in seen:
                 continue
             seen.add(encoded[0])
             ids.append(encoded[0])

@@ -1,4 +1,4 @@
-"""Images in chat requests, as vLLM 0.34 serves a Qwen2-VL / Qwen2.5-VL model.
+"""Images in chat requests, as vLLM 0.34 serves a Qwen2-VL / Qwen2.5-VL or a LLaVA-1.5 model.
 
 * The parts: ``image_url`` (``image_url.url``) and Responses' ``input_image`` (``image_url``)
   become ``{"type": "image", ...}`` for an "openai"-format template, or the model's
@@ -11,6 +11,7 @@
 * The prompt: after tokenizing, each ``<|image_pad|>`` becomes as many as the image's grid
   holds: transformers' own Qwen2-VL image processor (its Pillow backend, no torch) gives
   ``image_grid_thw``, and vLLM's ``_get_prompt_updates`` takes ``prod // merge_size**2``.
+  On LLaVA (``llava.py``) each ``<image>`` becomes a fixed count read from ``config.json``.
 
 Nothing here is shared with kvgate: the simulator is the reference kvgate is tested against.
 """
@@ -50,7 +51,8 @@ class VisionError(ValueError):
 
 
 class SimVision:
-    """The image side of a vision model directory."""
+    """The image side of a vision model directory (Qwen2-VL's rule; ``LlavaVision`` below
+    for LLaVA's)."""
 
     def __init__(self, model_dir: Path, image_token_id: int) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -71,7 +73,11 @@ class SimVision:
             config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        if not isinstance(config, dict) or config.get("model_type") not in VISION_MODEL_TYPES:
+        if not isinstance(config, dict):
+            return None
+        if config.get("model_type") == "llava":
+            return LlavaVision.for_model_dir(Path(model_dir))
+        if config.get("model_type") not in VISION_MODEL_TYPES:
             return None
         token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
         if not isinstance(token_id, int):
@@ -121,6 +127,46 @@ class SimVision:
             start = position + 1
         out.extend(ids[start:])
         return out
+
+
+class LlavaVision(SimVision):
+    """LLaVA-1.5 (``llava.py``): the config transformers' ``LlavaConfig`` reads (as vLLM's
+    ``ctx.get_hf_config(LlavaConfig)``), the CLIP tower's ``CLIPEncoderInfo`` count
+    (grid^2 + the CLS token) through ``get_num_selected_vision_tokens``; the placeholder is
+    the processor's ``image_token`` and its id ``image_token_index``."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import CLIPVisionConfig, LlavaConfig
+
+        config = LlavaConfig.from_pretrained(str(model_dir), local_files_only=True)
+        tower = config.vision_config
+        if not isinstance(tower, CLIPVisionConfig):
+            raise VisionError(f"Unsupported vision config: {type(tower)}")
+        assert tower.image_size % tower.patch_size == 0
+        tower_tokens = (tower.image_size // tower.patch_size) ** 2 + 1
+        strategy = config.vision_feature_select_strategy
+        if strategy == "class":
+            self.tokens_per_image = 1
+        elif strategy == "default":
+            self.tokens_per_image = tower_tokens - 1
+        elif strategy == "full":
+            self.tokens_per_image = tower_tokens
+        else:
+            raise ValueError(f"Unexpected feature select strategy: {strategy!r}")
+        self.image_token_id = int(config.image_token_index)
+        try:
+            processor = json.loads((model_dir / "processor_config.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            processor = {}
+        self.placeholder = str(processor.get("image_token", "<image>"))
+
+    @staticmethod
+    def for_model_dir(model_dir: Path, tokenizer: Any = None) -> LlavaVision:
+        return LlavaVision(model_dir)
+
+    def image_tokens(self, url: str) -> int:
+        self.load_image(url)  # fetched and decoded as the engine does (and refused alike)
+        return self.tokens_per_image
 
 
 def _data_url_bytes(url: str) -> bytes:

@@ -45,7 +45,7 @@ from kvgate.tokenize.segments import (
     SegmentCountCache,
     segment_key,
 )
-from kvgate.tokenize.vision import ImageRef, VisionSpec, image_tokens, load_vision_spec
+from kvgate.tokenize.vision import ImageRef, VisionRule, image_tokens, load_vision_spec
 
 # Named special tokens transformers passes to chat templates (its special_tokens_map).
 _SPECIAL_TOKEN_NAMES = (
@@ -232,7 +232,7 @@ class PromptCounter(CountingApi):
             self._engine, self.engine_reason = choice.engine, choice.reason
         self._cache: SegmentCountCache | None = None
         # A vision model's image rule (None: image parts are refused).
-        self.vision: VisionSpec | None = None
+        self.vision: VisionRule | None = None
         # Keys the segment digests: this tokenizer's counts are never read by another one.
         self._cache_scope = os.urandom(16)
 
@@ -286,6 +286,11 @@ class PromptCounter(CountingApi):
             )
             spec_source = (path / "tokenizer.json").read_bytes()
             vision = load_vision_spec(path)
+            added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+            if vision is not None and vision.image_token not in added:
+                # Counted as one token before expansion, the placeholder must be one: else
+                # images are refused rather than counted low.
+                vision = None
         except Exception as exc:  # any unreadable file or bad JSON/template is fatal
             raise TokenizerLoadError(str(path), str(exc)) from exc
         counter = cls(
@@ -502,7 +507,7 @@ class PromptCounter(CountingApi):
 _IMAGE_DECODE_COST = 1 << 40
 
 
-def _check_media_tokens(prompt: str, vision: VisionSpec, images: int) -> None:
+def _check_media_tokens(prompt: str, vision: VisionRule, images: int) -> None:
     """The engine matches each image to one placeholder token in the rendered prompt: a
     message text that types one, or a template that drops an image, is refused (the engine
     would refuse it, or take typed text for an image)."""

@@ -429,11 +429,10 @@ def load_model_counter(
     )
     if isinstance(counter, PromptCounter) and counter.vision is not None:
         settings = model.vision
-        spec = counter.vision.with_processor_kwargs(settings.mm_processor_kwargs)
-        if spec.min_pixels > spec.max_pixels:
-            raise TokenizerLoadError(
-                model.name, "vision.mm_processor_kwargs: min_pixels is larger than max_pixels"
-            )
+        try:
+            spec = counter.vision.with_processor_kwargs(settings.mm_processor_kwargs)
+        except ValueError as exc:
+            raise TokenizerLoadError(model.name, f"vision.mm_processor_kwargs: {exc}") from None
         counter.vision = spec.with_limits(
             VisionLimits(
                 max_images=settings.max_images_per_request,

@@ -8,13 +8,19 @@ processor's ``smart_resize`` (transformers' ``image_processing_qwen2_vl.py``): e
 rounded to a multiple of ``patch_size * merge_size`` and the area kept within
 ``[min_pixels, max_pixels]``; one image is one temporal patch.
 
+LLaVA-1.5 (``llava.py``) is a fixed-count family: its ``<image>`` token becomes
+``get_num_image_tokens`` of them whatever the image's size, read from ``config.json``'s
+vision tower (CLIP ViT-L/14-336: 24 x 24 patches = 576). Families are looked up by
+``config.json``'s ``model_type`` in ``VISION_FAMILIES``.
+
 * ``data:`` URLs are decoded here (Pillow), far enough to know the format and the size,
   then decoded whole so an image the engine cannot read is refused as it would refuse it.
   The size is checked against the model's pixel cap before anything is decompressed.
 * ``http(s)`` URLs are fetched by the engine, not here: such an image is reserved at the
-  most tokens one image can take (``max_tokens_per_image``) and the bill follows the
-  answer's ``usage.prompt_tokens``. URLs naming a private, loopback or link-local address
-  are refused (the engine would fetch them from inside the cluster).
+  most tokens one image can take (``max_tokens_per_image``; exact for a fixed-count
+  family) and the bill follows the answer's ``usage.prompt_tokens``. URLs naming a
+  private, loopback or link-local address are refused (the engine would fetch them from
+  inside the cluster).
 
 Everything here is pure and synchronous: decoding runs where counting runs, on the
 tokenizer workers.
@@ -29,11 +35,11 @@ import ipaddress
 import json
 import math
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from PIL import Image, UnidentifiedImageError
@@ -48,6 +54,8 @@ QWEN2_VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_v
 QWEN2_VL_IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN2_VL_IMAGE_TOKEN = "<|image_pad|>"
 QWEN2_VL_VIDEO_TOKEN = "<|video_pad|>"
+# LLaVA's placeholder (LlavaProcessor's image_token; config.json names its id).
+LLAVA_IMAGE_TOKEN = "<image>"
 # transformers' Qwen2VLImageProcessor defaults, used when the directory's config omits them.
 _DEFAULT_MIN_PIXELS = 56 * 56
 _DEFAULT_MAX_PIXELS = 28 * 28 * 1280
@@ -153,12 +161,15 @@ class VisionSpec:
             size["shortest_edge"] = kwargs["min_pixels"]
         if kwargs.get("max_pixels") is not None:
             size["longest_edge"] = kwargs["max_pixels"]
+        min_pixels, max_pixels = int(size["shortest_edge"]), int(size["longest_edge"])
+        if min_pixels > max_pixels:
+            raise ValueError("min_pixels is larger than max_pixels")
         return VisionSpec(
             self.model_type,
             self.patch_size,
             self.merge_size,
-            int(size["shortest_edge"]),
-            int(size["longest_edge"]),
+            min_pixels,
+            max_pixels,
             self.placeholder,
             self.image_token,
             self.reserved_tokens,
@@ -186,6 +197,61 @@ def _closest_factor_pair(n: int) -> tuple[int, int]:
     return 1, n
 
 
+class VisionRule(Protocol):
+    """What counting needs of a vision family: its placeholders, the tokens one image takes,
+    the most one image can take, and the engine's settings applied over the directory's."""
+
+    @property
+    def placeholder(self) -> str: ...
+    @property
+    def image_token(self) -> str: ...
+    @property
+    def reserved_tokens(self) -> tuple[str, ...]: ...
+    @property
+    def limits(self) -> VisionLimits: ...
+    @property
+    def max_tokens_per_image(self) -> int: ...
+    def tokens_for(self, width: int, height: int) -> int: ...
+    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> VisionRule: ...
+    def with_limits(self, limits: VisionLimits) -> VisionRule: ...
+
+
+@dataclass(frozen=True)
+class FixedVisionSpec:
+    """A family whose image always takes the same number of tokens (LLaVA-1.5: vLLM's
+    ``llava.py``, the placeholder token repeated ``get_num_image_tokens`` times whatever the
+    image's size: the vision tower sees it resized to ``image_size``)."""
+
+    model_type: str
+    tokens_per_image: int
+    placeholder: str = LLAVA_IMAGE_TOKEN
+    image_token: str = LLAVA_IMAGE_TOKEN
+    reserved_tokens: tuple[str, ...] = (LLAVA_IMAGE_TOKEN,)
+    limits: VisionLimits = DEFAULT_VISION_LIMITS
+
+    def tokens_for(self, width: int, height: int) -> int:
+        return self.tokens_per_image
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        return self.tokens_per_image
+
+    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> FixedVisionSpec:
+        # vLLM's LLaVA count reads config.json alone: processor kwargs resize the pixels the
+        # tower sees, never the number of tokens it gives.
+        return self
+
+    def with_limits(self, limits: VisionLimits) -> FixedVisionSpec:
+        return FixedVisionSpec(
+            self.model_type,
+            self.tokens_per_image,
+            self.placeholder,
+            self.image_token,
+            self.reserved_tokens,
+            limits,
+        )
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -199,21 +265,16 @@ def _positive_int(value: Any, name: str, source: Path) -> int:
     return value
 
 
-def load_vision_spec(model_dir: Path | str) -> VisionSpec | None:
-    """The image rule of the model in ``model_dir``; None when kvgate counts no images for
-    it (no ``config.json`` of a Qwen2-VL / Qwen2.5-VL model)."""
-    path = Path(model_dir)
-    try:
-        config = _read_json(path / "config.json")
-        model_type = config.get("model_type")
-        if model_type not in QWEN2_VL_MODEL_TYPES:
-            return None
-        processor = _read_json(path / "preprocessor_config.json")
-        nested = _read_json(path / "processor_config.json").get("image_processor")
-        if not processor and isinstance(nested, dict):
-            processor = nested
-    except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(str(path), f"unreadable vision config: {exc}") from exc
+def _image_processor_config(path: Path) -> dict[str, Any]:
+    processor = _read_json(path / "preprocessor_config.json")
+    nested = _read_json(path / "processor_config.json").get("image_processor")
+    if not processor and isinstance(nested, dict):
+        processor = nested
+    return processor
+
+
+def _qwen2_vl_spec(path: Path, config: Mapping[str, Any]) -> VisionRule:
+    processor = _image_processor_config(path)
     vision_config = config.get("vision_config")
     vision = vision_config if isinstance(vision_config, Mapping) else {}
     source = path / "preprocessor_config.json"
@@ -234,7 +295,67 @@ def load_vision_spec(model_dir: Path | str) -> VisionSpec | None:
     max_pixels = _positive_int(size.get("longest_edge", _DEFAULT_MAX_PIXELS), "max_pixels", source)
     if min_pixels > max_pixels:
         raise TokenizerLoadError(str(source), "min_pixels is larger than max_pixels")
-    return VisionSpec(str(model_type), patch, merge, min_pixels, max_pixels)
+    return VisionSpec(str(config["model_type"]), patch, merge, min_pixels, max_pixels)
+
+
+def _llava_spec(path: Path, config: Mapping[str, Any]) -> VisionRule | None:
+    """vLLM's ``BaseLlavaProcessingInfo.get_num_image_tokens`` over the config transformers'
+    ``LlavaConfig`` reads: a missing ``vision_config`` is CLIP ViT-L/14-336's, a given one
+    takes CLIPVisionConfig's defaults (224, 32) for what it omits; the CLIP tower gives
+    (image_size / patch_size)^2 patches and its CLS token, of which ``default`` keeps all
+    but the CLS token and ``full`` all."""
+    source = path / "config.json"
+    given = config.get("vision_config")
+    if given is None:
+        vision: Mapping[str, Any] = {"model_type": "clip_vision_model", **_LLAVA_DEFAULT_TOWER}
+    elif isinstance(given, Mapping):
+        vision = given
+    else:
+        raise TokenizerLoadError(str(source), "vision_config must be an object")
+    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        return None  # SigLIP, Pixtral towers: not counted (their image parts are refused)
+    image_size = _positive_int(vision.get("image_size", 224), "vision_config.image_size", source)
+    patch_size = _positive_int(vision.get("patch_size", 32), "vision_config.patch_size", source)
+    if image_size % patch_size:
+        # vLLM asserts this when it loads the model: it never serves such a directory.
+        raise TokenizerLoadError(str(source), "image_size is not a multiple of patch_size")
+    tower_tokens = (image_size // patch_size) ** 2 + 1  # CLIPEncoderInfo: the CLS token too
+    strategy = config.get("vision_feature_select_strategy", "default")
+    # transformers' LlavaConfig accepts these two alone: vLLM never serves another.
+    selected = {"default": tower_tokens - 1, "full": tower_tokens}.get(strategy)
+    if selected is None:
+        raise TokenizerLoadError(
+            str(source), f"unknown vision_feature_select_strategy {strategy!r}"
+        )
+    processor = _read_json(path / "processor_config.json")
+    token = processor.get("image_token", LLAVA_IMAGE_TOKEN)
+    if not isinstance(token, str) or not token:
+        raise TokenizerLoadError(str(path / "processor_config.json"), "image_token is empty")
+    return FixedVisionSpec(str(config["model_type"]), selected, token, token, (token,))
+
+
+# CLIP ViT-L/14-336, the tower LlavaConfig builds when config.json names none.
+_LLAVA_DEFAULT_TOWER = {"image_size": 336, "patch_size": 14}
+
+# config.json's model_type -> the family's rule. A family is one more entry here.
+VISION_FAMILIES: dict[str, Callable[[Path, Mapping[str, Any]], VisionRule | None]] = {
+    **dict.fromkeys(QWEN2_VL_MODEL_TYPES, _qwen2_vl_spec),
+    "llava": _llava_spec,
+}
+
+
+def load_vision_spec(model_dir: Path | str) -> VisionRule | None:
+    """The image rule of the model in ``model_dir``; None when kvgate counts no images for
+    it (no ``config.json`` of a family in ``VISION_FAMILIES``)."""
+    path = Path(model_dir)
+    try:
+        config = _read_json(path / "config.json")
+        family = VISION_FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+        if family is None:
+            return None
+        return family(path, config)
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(str(path), f"unreadable vision config: {exc}") from exc
 
 
 def fetched_images(messages: Any) -> bool:
@@ -263,9 +384,11 @@ def fetched_images(messages: Any) -> bool:
 # ------------------------------------------------------------------------- one image
 
 
-def image_tokens(spec: VisionSpec, image: ImageRef) -> int:
-    """Tokens ``image`` takes in the prompt: exact for a ``data:`` URL, the model's maximum
-    for an ``http(s)`` URL the engine fetches. ``PromptRenderError`` names the part."""
+def image_tokens(spec: VisionRule, image: ImageRef) -> int:
+    """Tokens ``image`` takes in the prompt: exact for a ``data:`` URL (decoded and checked
+    even when the family's count is fixed: the engine refuses what does not decode), the
+    model's maximum for an ``http(s)`` URL the engine fetches. ``PromptRenderError`` names
+    the part."""
     url = image.url
     if url[:5].lower() == "data:":
         width, height = decode_data_url(url, image.where, spec.limits)
