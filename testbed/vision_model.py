@@ -16,6 +16,12 @@
 "string"-format one) under its own name; ``vision_model_dir(family="qwen3_vl")`` one with
 Qwen3-VL-8B-Instruct's image processor and vision config (patch 16, ``size`` 65536 to
 16777216 pixels; the same image rule in vLLM 0.34, whose Qwen3-VL inherits Qwen2-VL's).
+
+``vision_model_dir(family="llava")`` builds ``var/models/llava-demo``, a LLaVA-1.5 directory:
+the Llama-2 32k vocabulary (WordLlama's copy, ``testbed.pooling_models``) with ``<image>``
+32000 and ``<pad>`` 32001 added, llava-1.5-7b-hf's chat template, ``config.json`` (CLIP
+ViT-L/14-336, ``default`` strategy: 576 tokens per image), ``processor_config.json`` and
+``preprocessor_config.json``; ``family="llava_full"`` the same with the ``full`` strategy.
 """
 
 from __future__ import annotations

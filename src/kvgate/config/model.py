@@ -416,9 +416,9 @@ class EngineFlagsConfig(_Strict):
 
 
 class VisionConfig(_Strict):
-    """Bounds on the images of one request to a vision model (Qwen2-VL, Qwen2.5-VL and
-    Qwen3-VL directories; other models refuse image parts). On a reload the model's counter is
-    loaded again before the swap."""
+    """Bounds on the images of one request to a vision model (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL and LLaVA-1.5 directories; other models refuse image parts). On a reload the
+    model's counter is loaded again before the swap."""
 
     # Image parts in one request (every message together).
     max_images_per_request: Reload[int] = Field(default=8, ge=0, le=1024)
