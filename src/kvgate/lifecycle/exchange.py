@@ -11,12 +11,13 @@ the answer to its one settlement. No protobuf and no store here: the Envoy adapt
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvgate.config.snapshot import RuntimeSnapshot
 from kvgate.lifecycle.admission import Admission, PromptTokenizers, Rejected, Rejection
@@ -408,16 +409,24 @@ class Exchange:
             return 0
 
 
-class PromptCount:
-    """A request kvgate answers itself with its prompt's exact count (``PromptCountApi``):
-    parsed once, the tenant's RPM slot taken, counted in its fair share; nothing reserved,
-    nothing forwarded."""
+class _ApiWithErrors(Protocol):
+    @property
+    def errors(self) -> ErrorVocabulary: ...
+
+
+A = TypeVar("A", bound=_ApiWithErrors)
+
+
+class _DecidedOnItsBody(abc.ABC, Generic[A, R]):
+    """A request decided on its body alone, with no answer to meter after it: the API's
+    parse, the tenant's RPM slot, within the decision deadline; every refusal one
+    ``Refused`` in the API's shape."""
 
     def __init__(
         self,
         services: ExchangeServices,
         snapshot: RuntimeSnapshot,
-        api: PromptCountApi,
+        api: A,
         tenant: TenantPolicy,
         *,
         admission_id: str,
@@ -425,29 +434,45 @@ class PromptCount:
     ) -> None:
         self._svc = services
         self._snapshot = snapshot
-        self.api = api
+        self.api: A = api
         self.tenant = tenant
         self._admission_id = admission_id
         self._route = route
-        self.request: ParsedRequest | None = None
 
-    async def answer(self, body: bytes) -> bytes:
-        """The answer's JSON body; raises ``Refused`` only."""
+    async def _within_deadline(self, body: bytes) -> R:
         timeout_s = self._snapshot.config.server.decision_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._answer(body)
+                return await self._decide(body)
         except (ClientError, Rejected, TimeoutError) as error:
             raise _refused(error, self.api.errors, timeout_s) from None
 
-    async def _answer(self, body: bytes) -> bytes:
+    @abc.abstractmethod
+    async def _decide(self, body: bytes) -> R: ...
+
+    def _refuse_model_off_route(self, model: str) -> None:
+        if not self._route.allows_model(model):
+            raise Refused(
+                self.api.errors.model_not_found(model), Outcome.MODEL_NOT_ALLOWED_ON_ROUTE
+            )
+
+
+class PromptCount(_DecidedOnItsBody[PromptCountApi, bytes]):
+    """A request kvgate answers itself with its prompt's exact count (``PromptCountApi``):
+    parsed once, the tenant's RPM slot taken, counted in its fair share; nothing reserved,
+    nothing forwarded."""
+
+    request: ParsedRequest | None = None
+
+    async def answer(self, body: bytes) -> bytes:
+        """The answer's JSON body; raises ``Refused`` only."""
+        return await self._within_deadline(body)
+
+    async def _decide(self, body: bytes) -> bytes:
         tenant = self.tenant
         request = await off_loop(self._svc, tenant.name, self.api.parse, body, len(body))
         self.request = request
-        if not self._route.allows_model(request.model):
-            raise Refused(
-                self.api.errors.model_not_found(request.model), Outcome.MODEL_NOT_ALLOWED_ON_ROUTE
-            )
+        self._refuse_model_off_route(request.model)
         admission = self._svc.admission(self._snapshot)
         return self.api.answer(await admission.count_prompt(request, tenant, self._admission_id))
 
@@ -462,43 +487,18 @@ class Destination:
     endpoint: str | None
 
 
-class UnmeteredForward:
+class UnmeteredForward(_DecidedOnItsBody[UnmeteredApi, Destination]):
     """A request that generates nothing (``UnmeteredApi``): its body checked, the tenant's
     RPM slot taken, sent to its model's backend; nothing reserved, nothing charged."""
 
-    def __init__(
-        self,
-        services: ExchangeServices,
-        snapshot: RuntimeSnapshot,
-        api: UnmeteredApi,
-        tenant: TenantPolicy,
-        *,
-        admission_id: str,
-        route: RouteScope = RouteScope(),
-    ) -> None:
-        self._svc = services
-        self._snapshot = snapshot
-        self.api = api
-        self.tenant = tenant
-        self._admission_id = admission_id
-        self._route = route
-
     async def decide(self, body: bytes) -> Destination:
         """Where the request goes; raises ``Refused`` only."""
-        timeout_s = self._snapshot.config.server.decision_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await self._decide(body)
-        except (ClientError, Rejected, TimeoutError) as error:
-            raise _refused(error, self.api.errors, timeout_s) from None
+        return await self._within_deadline(body)
 
     async def _decide(self, body: bytes) -> Destination:
         tenant = self.tenant
         model = await off_loop(self._svc, tenant.name, self.api.model, body, len(body))
-        if not self._route.allows_model(model):
-            raise Refused(
-                self.api.errors.model_not_found(model), Outcome.MODEL_NOT_ALLOWED_ON_ROUTE
-            )
+        self._refuse_model_off_route(model)
         admission = self._svc.admission(self._snapshot)
         route, endpoint = await admission.admit_unreserved(
             model, tenant, self._admission_id, self._route.backend
