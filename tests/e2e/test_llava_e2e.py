@@ -15,16 +15,12 @@ becomes ``get_num_image_tokens`` of them, 576 for CLIP ViT-L/14-336) and fetches
 from __future__ import annotations
 
 import base64
-import io
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import openai
 import pytest
 from openai import OpenAI
-from PIL import Image
 
 from kvgate.tokenize import PromptCounter
 from kvgate.tokenize.vision import VisionLimits
@@ -38,6 +34,7 @@ from testbed.harness import (
     wait_until,
 )
 from testbed.vision_model import vision_model_dir
+from tests.e2e.image_support import data_url, image_chat, png, serving_image
 
 MODEL = "llava-demo"
 BACKEND = "llava-pool"
@@ -48,46 +45,10 @@ TIMEOUT_S = 15.0
 TOKENS_PER_IMAGE = 576  # (336 / 14)^2: CLIP ViT-L/14-336's patches, its CLS token dropped
 
 
-def png(width: int, height: int, colour: tuple[int, int, int] = (20, 120, 220)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_url(raw: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(raw).decode()}"
-
-
-def image_chat(*urls: str, text: str = "What is in this picture?") -> list[Any]:
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    content += [{"type": "image_url", "image_url": {"url": url}} for url in urls]
-    return [{"role": "user", "content": content}]
-
-
-class _ImageHandler(BaseHTTPRequestHandler):
-    body = png(900, 700)
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
-
-
 @pytest.fixture(scope="module")
 def image_server() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_image(png(900, 700)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

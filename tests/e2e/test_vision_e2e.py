@@ -23,7 +23,6 @@ import math
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -45,6 +44,7 @@ from testbed.harness import (
     wait_until,
 )
 from testbed.vision_model import VISION_MODEL_NAME, vision_model_dir
+from tests.e2e.image_support import data_url, image_chat, png, serving_image
 
 MODEL = VISION_MODEL_NAME
 BACKEND = DEFAULT_BACKEND
@@ -55,52 +55,10 @@ TIMEOUT_S = 15.0
 HTTP_IMAGE_SIZE = (900, 700)
 
 
-def png(width: int, height: int, colour: tuple[int, int, int] = (20, 120, 220)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_url(raw: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(raw).decode()}"
-
-
-def image_chat(url: str, text: str = "What is in this picture?") -> list[Any]:
-    return [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": text},
-                {"type": "image_url", "image_url": {"url": url}},
-            ],
-        }
-    ]
-
-
-class _ImageHandler(BaseHTTPRequestHandler):
-    body = png(*HTTP_IMAGE_SIZE)
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
-
-
 @pytest.fixture(scope="module")
 def image_server() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_image(png(*HTTP_IMAGE_SIZE)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -314,8 +272,8 @@ def test_the_answer_to_a_fetched_image_is_never_served_from_the_cache(
     """The same greedy request twice: with a data: image the second is the cache's answer;
     with an http image both reach the engine (the image behind the URL can change)."""
     cases = {
-        "data": (image_chat(data_url(png(96, 96)), "cache me"), 1),
-        "http": (image_chat(f"{image_server}/dog.png", "cache me"), 2),
+        "data": (image_chat(data_url(png(96, 96)), text="cache me"), 1),
+        "http": (image_chat(f"{image_server}/dog.png", text="cache me"), 2),
     }
     for name, (messages, reaching_the_engine) in cases.items():
         wait_kv_idle(stack)
