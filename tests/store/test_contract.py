@@ -744,6 +744,10 @@ async def test_retry_after_follows_the_learnt_throughput(
     lesson = await admitted(store, req(10, 100))
     clock.advance(10)
     assert await settle(store, lesson, 10, 100)
+    # A request that generated nothing (an embedding) teaches nothing about generating.
+    pooled = await admitted(store, req(50, 0, rid="pooled"))
+    clock.advance(30)
+    assert await settle(store, pooled, 50, 0)
     first = await admitted(store, req(100, 400))  # KV 500, expected to finish in 10 s
     clock.advance(10)
     await admitted(store, req(100, 400, tenant="u"))  # KV 500, finishes 10 s after that

@@ -227,7 +227,8 @@ class MemoryStore:
             self._ledger.setdefault((request.tenant, key, request.model), UsageTotals()).add(
                 usage, cost_pico
             )
-        if cause is SettleCause.COMPLETED and backend is not None:
+        if cause is SettleCause.COMPLETED and usage.output_tokens > 0 and backend is not None:
+            # Generation speed, learnt from generations (an embedding generates nothing).
             backend.throughput.observe(duration, usage.output_tokens)
         return replace(settlement, applied=True, lease_expired=released is None)
 

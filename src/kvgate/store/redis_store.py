@@ -596,7 +596,8 @@ class RedisStore:
                 "ot": usage.output_tokens,
                 "ct": usage.cached_tokens,
                 "cost": str(cost_pico),
-                "completed": cause is SettleCause.COMPLETED,
+                # Generation speed is learnt from generations (an embedding generates none).
+                "completed": cause is SettleCause.COMPLETED and usage.output_tokens > 0,
                 "loc": local,
                 "keep": self._settled_id_retention_s,
                 "sc": [_rule(limits, key) for key, limits in tenant.scopes(model)],
