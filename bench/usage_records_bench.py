@@ -10,6 +10,8 @@ Not a test. Two parts:
   run side by side and take turns in `--rounds` slices of `--seconds`, so the machine's
   other load falls on each alike. Client latency p50/p99, kvgate's decision p50/p99 (its
   `kvgate_decision_seconds` histogram, interpolated in the bucket), requests/s.
+- crash gap (`--crash-gap N`): a replica SIGKILLed N times under load; the ledger's requests
+  no record holds, per kill.
 
     .venv/bin/python -m bench.usage_records_bench [--records 200000] [--rounds 6]
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import platform
 import shutil
 import statistics
@@ -160,6 +163,66 @@ def path_cost(
             stack.stop()
 
 
+def crash_gap(trials: int) -> None:
+    """SIGKILL one of two replicas (one Redis, one PostgreSQL) while 8 clients send requests,
+    restart it, and count what the ledger booked that no record holds: what a crash loses."""
+    from testbed.harness import wait_until
+    from tests.e2e.test_usage_records_e2e import (
+        TENANTS,
+        _models,
+        _pg_counts,
+        _RecordingStack,
+        _traffic,
+    )
+
+    work = Path(tempfile.mkdtemp(prefix="kvgate-records-gap-"))
+    try:
+        with PostgresServer() as postgres:
+            dsn_file = work / "dsn"
+            dsn_file.write_text(postgres.create_database())
+            dsn = dsn_file.read_text()
+            records = {
+                "sink": "postgres",
+                "postgres_dsn_file": str(dsn_file),
+                "spool_dir": str(work / "spool1"),
+                "retry_interval_s": 0.5,
+            }
+            with _RecordingStack(
+                tenants=TENANTS,
+                models=_models(),
+                kvgate_overrides={"usage_records": records},
+                work_dir=work,
+                redis_config={"timeout_s": 1.0},
+            ) as stack:
+                missing_before = 0
+                for trial in range(trials):
+
+                    async def killed_mid_traffic(after_s: float) -> None:
+                        traffic = asyncio.create_task(_traffic(stack.base_url, 4.0, workers=8))
+                        await asyncio.sleep(after_s)
+                        stack.kill_kvgate()
+                        with contextlib.suppress(Exception):  # requests on the killed replica
+                            await traffic
+
+                    asyncio.run(killed_mid_traffic(2.0 + 0.07 * trial))
+                    stack.start_kvgate()
+                    ledger = stack.ledger("demo")["requests"]
+                    counts = wait_until(
+                        lambda: _pg_counts(postgres, dsn),
+                        lambda c: c[0] >= ledger,  # noqa: B023 - read at once
+                        timeout=15,
+                        interval=0.5,
+                    )
+                    missing = ledger - counts[0]
+                    print(
+                        f"crash {trial}: ledger {ledger} requests, records {counts[0]}, lost "
+                        f"{missing - missing_before} by this SIGKILL"
+                    )
+                    missing_before = missing
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=200_000)
@@ -167,7 +230,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--skip-path", action="store_true")
+    parser.add_argument(
+        "--crash-gap", type=int, default=0, metavar="TRIALS", help="only measure what SIGKILLs lose"
+    )
     args = parser.parse_args()
+    if args.crash_gap:
+        crash_gap(args.crash_gap)
+        return
     print(f"# {platform.platform()}, {platform.python_version()}")
     with PostgresServer() as postgres:
         work = Path(tempfile.mkdtemp(prefix="kvgate-records-bench-"))
