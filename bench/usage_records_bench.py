@@ -38,7 +38,7 @@ from kvgate.usage_records.spool import Spool
 from kvgate.usage_records.sqlite_sink import SqliteSink
 from testbed.harness import Stack, kvgate_metrics
 from testbed.postgres_harness import PostgresServer
-from tests.usage_records.records import make_record
+from testbed.usage_records_rig import make_record
 
 
 async def sink_throughput(sink: RecordSink, spool_dir: Path, count: int) -> dict[str, float]:
@@ -167,12 +167,12 @@ def crash_gap(trials: int) -> None:
     """SIGKILL one of two replicas (one Redis, one PostgreSQL) while 8 clients send requests,
     restart it, and count what the ledger booked that no record holds: what a crash loses."""
     from testbed.harness import wait_until
-    from tests.e2e.test_usage_records_e2e import (
+    from testbed.usage_records_rig import (
         TENANTS,
-        _models,
-        _pg_counts,
-        _RecordingStack,
-        _traffic,
+        RecordingStack,
+        pg_counts,
+        records_models,
+        send_traffic,
     )
 
     work = Path(tempfile.mkdtemp(prefix="kvgate-records-gap-"))
@@ -187,9 +187,9 @@ def crash_gap(trials: int) -> None:
                 "spool_dir": str(work / "spool1"),
                 "retry_interval_s": 0.5,
             }
-            with _RecordingStack(
+            with RecordingStack(
                 tenants=TENANTS,
-                models=_models(),
+                models=records_models(),
                 kvgate_overrides={"usage_records": records},
                 work_dir=work,
                 redis_config={"timeout_s": 1.0},
@@ -198,7 +198,7 @@ def crash_gap(trials: int) -> None:
                 for trial in range(trials):
 
                     async def killed_mid_traffic(after_s: float) -> None:
-                        traffic = asyncio.create_task(_traffic(stack.base_url, 4.0, workers=8))
+                        traffic = asyncio.create_task(send_traffic(stack.base_url, 4.0, workers=8))
                         await asyncio.sleep(after_s)
                         stack.kill_kvgate()
                         with contextlib.suppress(Exception):  # requests on the killed replica
@@ -208,7 +208,7 @@ def crash_gap(trials: int) -> None:
                     stack.start_kvgate()
                     ledger = stack.ledger("demo")["requests"]
                     counts = wait_until(
-                        lambda: _pg_counts(postgres, dsn),
+                        lambda: pg_counts(postgres, dsn),
                         lambda c: c[0] >= ledger,  # noqa: B023 - read at once
                         timeout=15,
                         interval=0.5,

@@ -14,7 +14,6 @@ and `kvgate statement`, and compared with the ledger to the last decimal.
 from __future__ import annotations
 
 import asyncio
-import copy
 import csv
 import io
 import json
@@ -33,33 +32,18 @@ import httpx
 import openai
 import pytest
 
-from testbed.demo_model import demo_model_dir
 from testbed.harness import Stack, kvgate_usage, wait_until
 from testbed.postgres_harness import PostgresServer
-from testbed.redis_harness import RedisStack
+from testbed.usage_records_rig import (
+    MODEL,
+    TENANTS,
+    RecordingStack,
+    pg_counts,
+    records_models,
+    send_traffic,
+)
 
-MODEL = "qwen2.5-demo"
 SECRET_WORDS = "zebra-parliament-7731"
-
-
-def _models() -> list[dict[str, Any]]:
-    return [
-        {
-            "name": MODEL,
-            "tokenizer": str(demo_model_dir()),
-            "max_context": 32768,
-            "default_max_new_tokens": 64,
-            "backend": "vllm-local",
-            "pricing": {
-                "input_per_million": "2.5",
-                "cached_input_per_million": "1.25",
-                "output_per_million": "10.000001",
-            },
-        }
-    ]
-
-
-TENANTS = [{"name": "demo", "api_key": "sk-demo"}, {"name": "other", "api_key": "sk-other"}]
 
 
 def _kvgate(*args: str) -> str:
@@ -144,7 +128,7 @@ def sqlite_stack() -> Iterator[tuple[Stack, Path]]:
     try:
         with Stack(
             tenants=TENANTS,
-            models=_models(),
+            models=records_models(),
             kvgate_overrides=overrides,
             work_dir=work,
             sim={"itl_ms": 20},  # a 60-token stream takes 1.2 s: the client cuts it
@@ -241,17 +225,8 @@ def test_every_request_is_one_record_and_the_statement_is_the_ledger(
 # -- PostgreSQL, two replicas on one Redis ------------------------------------------------
 
 
-class _RecordingStack(RedisStack):
-    """Two replicas writing one PostgreSQL, each with its own spool."""
-
-    def kvgate2_config(self) -> dict[str, Any]:
-        config = copy.deepcopy(super().kvgate2_config())
-        config["usage_records"]["spool_dir"] = str(self.work_dir / "spool2")
-        return config
-
-
 @pytest.fixture(scope="module")
-def pg_stack() -> Iterator[tuple[_RecordingStack, PostgresServer, Path]]:
+def pg_stack() -> Iterator[tuple[RecordingStack, PostgresServer, Path]]:
     work = Path(tempfile.mkdtemp(prefix="kvgate-records-pg-"))
     with PostgresServer() as postgres:
         dsn_file = work / "dsn"
@@ -267,9 +242,9 @@ def pg_stack() -> Iterator[tuple[_RecordingStack, PostgresServer, Path]]:
             },
         }
         try:
-            with _RecordingStack(
+            with RecordingStack(
                 tenants=TENANTS,
-                models=_models(),
+                models=records_models(),
                 kvgate_overrides=overrides,
                 work_dir=work,
                 redis_config={"timeout_s": 1.0},
@@ -279,58 +254,14 @@ def pg_stack() -> Iterator[tuple[_RecordingStack, PostgresServer, Path]]:
             shutil.rmtree(work, ignore_errors=True)
 
 
-async def _traffic(base_url: str, seconds: float, workers: int = 4) -> list[int]:
-    """Requests back to back from `workers` clients for `seconds`; their statuses."""
-    statuses: list[int] = []
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="sk-demo", max_retries=0)
-    ends = time.monotonic() + seconds
-
-    async def worker(n: int) -> None:
-        i = 0
-        while time.monotonic() < ends:
-            i += 1
-            raw = await client.chat.completions.with_raw_response.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": f"worker {n} request {i}"}],
-                max_tokens=8,
-                stream=i % 3 == 0,
-            )
-            statuses.append(raw.http_response.status_code)
-            if i % 3 == 0:
-                async for _ in raw.parse():
-                    pass
-
-    await asyncio.gather(*(worker(n) for n in range(workers)))
-    await client.close()
-    return statuses
-
-
-def _pg_counts(postgres: PostgresServer, dsn: str) -> tuple[int, int, int]:
-    import asyncpg
-
-    async def run() -> tuple[int, int, int]:
-        db = await asyncpg.connect(dsn)
-        try:
-            row = await db.fetchrow(
-                "SELECT count(*), count(DISTINCT record_id), count(DISTINCT request_id) "
-                "FROM usage_records WHERE tenant = 'demo'"
-            )
-            assert row is not None
-            return int(row[0]), int(row[1]), int(row[2])
-        finally:
-            await db.close()
-
-    return asyncio.run(run())
-
-
 def test_postgres_stopped_for_30_s_loses_and_repeats_nothing(
-    pg_stack: tuple[_RecordingStack, PostgresServer, Path],
+    pg_stack: tuple[RecordingStack, PostgresServer, Path],
 ) -> None:
     stack, postgres, config = pg_stack
     dsn = (stack.work_dir / "dsn").read_text()
 
     async def scenario() -> list[int]:
-        traffic = asyncio.create_task(_traffic(stack.base_url, 40.0))
+        traffic = asyncio.create_task(send_traffic(stack.base_url, 40.0))
         await asyncio.sleep(3)
         await asyncio.to_thread(postgres.stop)
         stopped_at = time.monotonic()
@@ -348,7 +279,7 @@ def test_postgres_stopped_for_30_s_loses_and_repeats_nothing(
     requests = stack.ledger("demo")["requests"]
     assert requests >= len(statuses)
     counts = wait_until(
-        lambda: _pg_counts(postgres, dsn), lambda c: c[0] == requests, timeout=60, interval=0.5
+        lambda: pg_counts(postgres, dsn), lambda c: c[0] == requests, timeout=60, interval=0.5
     )
     assert counts == (requests, requests, requests)
     made, ledger = statement_equals_ledger(stack, config, "demo")
@@ -360,13 +291,13 @@ def test_postgres_stopped_for_30_s_loses_and_repeats_nothing(
 
 
 def test_a_replica_killed_while_its_batch_waits_on_postgres_loses_nothing_spooled(
-    pg_stack: tuple[_RecordingStack, PostgresServer, Path],
+    pg_stack: tuple[RecordingStack, PostgresServer, Path],
 ) -> None:
     stack, postgres, config = pg_stack
     dsn = (stack.work_dir / "dsn").read_text()
     postgres.pause()
     try:
-        statuses = asyncio.run(_traffic(stack.base_url, 3.0, workers=3))
+        statuses = asyncio.run(send_traffic(stack.base_url, 3.0, workers=3))
         assert set(statuses) == {200}
 
         def replica1() -> tuple[float, float, float]:
@@ -388,7 +319,7 @@ def test_a_replica_killed_while_its_batch_waits_on_postgres_loses_nothing_spoole
     stack.start_kvgate()
     requests = stack.ledger("demo")["requests"]
     counts = wait_until(
-        lambda: _pg_counts(postgres, dsn), lambda c: c[0] == requests, timeout=90, interval=0.5
+        lambda: pg_counts(postgres, dsn), lambda c: c[0] == requests, timeout=90, interval=0.5
     )
     assert counts == (requests, requests, requests)
     made, ledger = statement_equals_ledger(stack, config, "demo")

@@ -13,8 +13,8 @@ import yaml
 
 from kvgate.usage_records import UsageRecord
 from kvgate.usage_records.sqlite_sink import SqliteSink
+from testbed.usage_records_rig import make_record
 from tests.session.conftest import make_config
-from tests.usage_records.records import make_record
 
 
 def _kvgate(*args: str) -> subprocess.CompletedProcess[str]:

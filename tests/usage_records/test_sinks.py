@@ -16,7 +16,7 @@ from kvgate.usage_records import RecordQuery, RecordSink, StatementLine, UsageRe
 from kvgate.usage_records.postgres_sink import PostgresSink
 from kvgate.usage_records.schema import COLUMNS, LATEST, SchemaTooNew
 from kvgate.usage_records.sqlite_sink import SqliteSink
-from tests.usage_records.records import make_record
+from testbed.usage_records_rig import make_record
 
 SinkFactory = Callable[[], SqliteSink | PostgresSink]
 

@@ -13,7 +13,7 @@ from kvgate.usage_records.postgres_sink import PostgresSink
 from kvgate.usage_records.spool import Spool, SpoolBusy, SpoolFull
 from kvgate.usage_records.sqlite_sink import SqliteSink
 from testbed.postgres_harness import PostgresServer
-from tests.usage_records.records import make_record
+from testbed.usage_records_rig import make_record
 
 
 async def _wait_for(predicate: object, within_s: float = 20.0) -> None:
