@@ -18,21 +18,11 @@ import zipfile
 from typing import Any, Literal
 
 from testbed.engine_models import vllm_wheel
+from tests.vllm_source import Record, SilentLogger, stub_module
 
 _FILES = ("protocol.py", "serving.py")
 _PREFIX = "vllm/entrypoints/anthropic/"
 _NAME = "_kvgate_vllm_oracle"
-
-
-class Record:
-    """Stands for vLLM's pydantic chat models: keeps what it is given or set."""
-
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-    @classmethod
-    def model_validate(cls, data: dict[str, Any]) -> Record:
-        return cls(**data)
 
 
 def plain(value: Any) -> Any:
@@ -46,28 +36,6 @@ def plain(value: Any) -> Any:
     return value
 
 
-class _Stub(types.ModuleType):
-    """A module whose every attribute is a fresh record class (subclassable, callable)."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        kind = type(name, (Record,), {})
-        setattr(self, name, kind)
-        return kind
-
-
-def _module(name: str, **attributes: Any) -> types.ModuleType:
-    module = _Stub(name)
-    module.__dict__.update(attributes)
-    return module
-
-
-class _Logger:
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
 def _load() -> types.ModuleType | None:
     wheel_path = vllm_wheel()  # fetched once from PyPI; None offline
     if wheel_path is None:
@@ -76,18 +44,18 @@ def _load() -> types.ModuleType | None:
         sources = {name: wheel.read(_PREFIX + name).decode() for name in _FILES}
     saved = dict(sys.modules)
     stubs = {
-        "vllm": _module("vllm"),
-        "vllm.envs": _module("vllm.envs", VLLM_MAX_STOP_STRINGS=4),
-        "vllm.entrypoints": _module("vllm.entrypoints"),
-        "vllm.entrypoints.generate": _module("vllm.entrypoints.generate"),
-        "vllm.entrypoints.generate.base": _module("vllm.entrypoints.generate.base"),
-        "vllm.entrypoints.generate.base.protocol": _module(
+        "vllm": stub_module("vllm"),
+        "vllm.envs": stub_module("vllm.envs", VLLM_MAX_STOP_STRINGS=4),
+        "vllm.entrypoints": stub_module("vllm.entrypoints"),
+        "vllm.entrypoints.generate": stub_module("vllm.entrypoints.generate"),
+        "vllm.entrypoints.generate.base": stub_module("vllm.entrypoints.generate.base"),
+        "vllm.entrypoints.generate.base.protocol": stub_module(
             "vllm.entrypoints.generate.base.protocol",
             MMPayload=Literal["tensors", "none"],
             resolve_return_mm_kwargs_alias=lambda data: data,
         ),
-        "vllm.logger": _module("vllm.logger", init_logger=lambda name: _Logger()),
-        "fastapi": _module("fastapi"),
+        "vllm.logger": stub_module("vllm.logger", init_logger=lambda name: SilentLogger()),
+        "fastapi": stub_module("fastapi"),
     }
     for name in (
         "vllm.config",
@@ -114,8 +82,8 @@ def _load() -> types.ModuleType | None:
         "vllm.renderers.online_renderer",
         "vllm.renderers.params",
     ):
-        stubs[name] = _module(name)
-    package = _module("vllm.entrypoints.anthropic")
+        stubs[name] = stub_module(name)
+    package = stub_module("vllm.entrypoints.anthropic")
     package.__path__ = []
     stubs[package.__name__] = package
     for name, module in stubs.items():

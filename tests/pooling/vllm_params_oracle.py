@@ -16,6 +16,7 @@ import zipfile
 from typing import Any
 
 from testbed.engine_models import vllm_wheel
+from tests.vllm_source import SilentLogger
 
 _PARAMS = "vllm/renderers/params.py"
 
@@ -24,11 +25,6 @@ class VLLMValidationError(ValueError):
     def __init__(self, message: str, *, parameter: str | None = None, value: Any = None):
         super().__init__(message)
         self.parameter = parameter
-
-
-class _Logger:
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 def _module(name: str, **attributes: Any) -> types.ModuleType:
@@ -50,7 +46,7 @@ def load_tokenize_params() -> Any:
         "vllm.inputs": _module(
             "vllm.inputs", EmbedsPrompt=dict, TextPrompt=dict, TokensPrompt=dict
         ),
-        "vllm.logger": _module("vllm.logger", init_logger=lambda name: _Logger()),
+        "vllm.logger": _module("vllm.logger", init_logger=lambda name: SilentLogger()),
         "vllm.multimodal": _module("vllm.multimodal"),
         "vllm.multimodal.media": _module("vllm.multimodal.media"),
         "vllm.multimodal.media.connector": _module(

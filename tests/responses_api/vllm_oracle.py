@@ -27,6 +27,7 @@ import openai.types.responses  # noqa: F401  (loaded once: the oracle's classes 
 import pydantic
 
 from testbed.engine_models import vllm_wheel
+from tests.vllm_source import Record, SilentLogger, stub_module
 
 _PREFIX = "vllm/entrypoints/openai/responses/"
 _FILES = ("protocol.py", "utils.py")
@@ -39,33 +40,6 @@ _HARMONY_FILES = {
 }
 _RENDERER = "vllm/renderers/online_renderer.py"
 _RENDER_METHOD = "_render_responses_with_harmony"
-
-
-class Record:
-    def __init__(self, *args: Any, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-
-class _Stub(types.ModuleType):
-    """A module whose every attribute is a fresh record class."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        kind = type(name, (Record,), {})
-        setattr(self, name, kind)
-        return kind
-
-
-def _module(name: str, **attributes: Any) -> types.ModuleType:
-    module = _Stub(name)
-    module.__dict__.update(attributes)
-    return module
-
-
-class _Logger:
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 class VLLMValidationError(ValueError):
@@ -159,18 +133,18 @@ def _load() -> types.ModuleType | None:
         renderer_source = wheel.read(_RENDERER).decode()
     saved = dict(sys.modules)
     stubs: dict[str, types.ModuleType] = {
-        "vllm": _module("vllm"),
-        "vllm.envs": _module(
+        "vllm": stub_module("vllm"),
+        "vllm.envs": stub_module(
             "vllm.envs",
             VLLM_GPT_OSS_SYSTEM_TOOL_MCP_LABELS=[],
             VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=False,
             VLLM_SYSTEM_START_DATE=None,
         ),
-        "vllm.config": _module("vllm.config"),
-        "vllm.entrypoints": _module("vllm.entrypoints"),
-        "vllm.entrypoints.generate": _module("vllm.entrypoints.generate"),
-        "vllm.entrypoints.generate.base": _module("vllm.entrypoints.generate.base"),
-        "vllm.entrypoints.generate.base.protocol": _module(
+        "vllm.config": stub_module("vllm.config"),
+        "vllm.entrypoints": stub_module("vllm.entrypoints"),
+        "vllm.entrypoints.generate": stub_module("vllm.entrypoints.generate"),
+        "vllm.entrypoints.generate.base": stub_module("vllm.entrypoints.generate.base"),
+        "vllm.entrypoints.generate.base.protocol": stub_module(
             "vllm.entrypoints.generate.base.protocol",
             MMPayload=Literal["tensors", "none"],
             PerRequestMetrics=dict[str, Any],
@@ -180,46 +154,46 @@ def _load() -> types.ModuleType | None:
             validate_cache_salt=lambda salt: None,
             FunctionDefinition=FunctionDefinition,
         ),
-        "vllm.entrypoints.serve": _module("vllm.entrypoints.serve"),
-        "vllm.entrypoints.serve.engine": _module("vllm.entrypoints.serve.engine"),
-        "vllm.entrypoints.serve.engine.protocol": _module(
+        "vllm.entrypoints.serve": stub_module("vllm.entrypoints.serve"),
+        "vllm.entrypoints.serve.engine": stub_module("vllm.entrypoints.serve.engine"),
+        "vllm.entrypoints.serve.engine.protocol": stub_module(
             "vllm.entrypoints.serve.engine.protocol", OpenAIBaseModel=OpenAIBaseModel
         ),
-        "vllm.entrypoints.openai": _module("vllm.entrypoints.openai"),
-        "vllm.entrypoints.openai.parser": _module("vllm.entrypoints.openai.parser"),
-        "vllm.entrypoints.openai.chat_completion": _module(
+        "vllm.entrypoints.openai": stub_module("vllm.entrypoints.openai"),
+        "vllm.entrypoints.openai.parser": stub_module("vllm.entrypoints.openai.parser"),
+        "vllm.entrypoints.openai.chat_completion": stub_module(
             "vllm.entrypoints.openai.chat_completion"
         ),
-        "vllm.entrypoints.openai.chat_completion.protocol": _module(
+        "vllm.entrypoints.openai.chat_completion.protocol": stub_module(
             "vllm.entrypoints.openai.chat_completion.protocol",
             ChatCompletionMessageParam=dict[str, Any],
             ChatCompletionToolsParam=ChatCompletionToolsParam,
         ),
-        "vllm.exceptions": _module("vllm.exceptions", VLLMValidationError=VLLMValidationError),
-        "vllm.logger": _module("vllm.logger", init_logger=lambda name: _Logger()),
-        "vllm.renderers": _module(
+        "vllm.exceptions": stub_module("vllm.exceptions", VLLMValidationError=VLLMValidationError),
+        "vllm.logger": stub_module("vllm.logger", init_logger=lambda name: SilentLogger()),
+        "vllm.renderers": stub_module(
             "vllm.renderers", map_reasoning_effort=_map_reasoning_effort, merge_kwargs=_merge_kwargs
         ),
-        "vllm.renderers.chat_utils": _module(
+        "vllm.renderers.chat_utils": stub_module(
             "vllm.renderers.chat_utils",
             ChatCompletionMessageParam=dict[str, Any],
             ChatTemplateContentFormatOption=str,
             make_tool_call_id=lambda **kwargs: "call_made_up",
         ),
-        "vllm.sampling_params": _module("vllm.sampling_params", ThinkingTokenBudget=int | None),
-        "vllm.tool_parsers": _module("vllm.tool_parsers"),
-        "vllm.tool_parsers.utils": _module(
+        "vllm.sampling_params": stub_module("vllm.sampling_params", ThinkingTokenBudget=int | None),
+        "vllm.tool_parsers": stub_module("vllm.tool_parsers"),
+        "vllm.tool_parsers.utils": stub_module(
             "vllm.tool_parsers.utils",
             CUSTOM_TOOL_INPUT_KEY="input",
             flat_namespace_tool_name=lambda namespace, name: f"{namespace}__{name}",
             iter_response_function_tool_dicts=_iter_response_function_tool_dicts,
         ),
-        "vllm.utils": _module("vllm.utils", random_uuid=lambda: "0"),
-        "partial_json_parser": _module("partial_json_parser"),
-        "partial_json_parser.core": _module("partial_json_parser.core"),
-        "partial_json_parser.core.options": _module("partial_json_parser.core.options"),
+        "vllm.utils": stub_module("vllm.utils", random_uuid=lambda: "0"),
+        "partial_json_parser": stub_module("partial_json_parser"),
+        "partial_json_parser.core": stub_module("partial_json_parser.core"),
+        "partial_json_parser.core.options": stub_module("partial_json_parser.core.options"),
     }
-    package = _module("vllm.entrypoints.openai.responses")
+    package = stub_module("vllm.entrypoints.openai.responses")
     package.__path__ = []
     stubs[package.__name__] = package
     for name, module in stubs.items():
