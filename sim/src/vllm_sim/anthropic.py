@@ -41,9 +41,9 @@ so its answers hold a single text block.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
+from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -490,24 +490,13 @@ class AnthropicRoutes:
             cache_salt=plan.cache_salt,
         )
         choice = sim._new_choice(0, prompt_ids, common, steering, message_id, "messages", None)
-        sim.engine.submit(choice.req)
-        feed = _Feed([choice])
-        pump = asyncio.create_task(sim._pump(choice, feed, steering))
-        task = asyncio.current_task()
-        assert task is not None
-        sim._watcher.watch(request, task)
-        try:
+
+        def answer(feed: _Feed) -> Awaitable[web.StreamResponse]:
             if plan.stream:
-                return await self._stream(request, steering, choice, feed, message_id)
-            return await self._unary(request, steering, choice, feed, message_id)
-        except ConnectionError:
-            return web.Response(status=499)  # the client went away mid-write
-        finally:
-            sim._watcher.unwatch(task)
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
-            if choice.req.final_reason is None:
-                sim.engine.abort(choice.req)
+                return self._stream(request, steering, choice, feed, message_id)
+            return self._unary(request, steering, choice, feed, message_id)
+
+        return await sim.generate(request, [choice], steering, answer)
 
     async def _unary(
         self,

@@ -48,7 +48,7 @@ without ``--reasoning-parser`` / ``--tool-call-parser`` answers the same way).
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -337,24 +337,13 @@ class ResponsesRoutes:
         choice = sim._new_choice(
             0, prepared.prompt_ids, common, steering, f"{req.request_id}_0", "responses", None
         )
-        sim.engine.submit(choice.req)
-        feed = _Feed([choice])
-        pump = asyncio.create_task(sim._pump(choice, feed, steering))
-        task = asyncio.current_task()
-        assert task is not None
-        sim._watcher.watch(request, task)
-        try:
+
+        def answer(feed: _Feed) -> Awaitable[web.StreamResponse]:
             if req.stream:
-                return await self._stream(request, prepared, steering, choice, feed)
-            return await self._unary(request, prepared, steering, choice, feed)
-        except ConnectionError:
-            return web.Response(status=499)  # the client went away mid-write
-        finally:
-            sim._watcher.unwatch(task)
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
-            if choice.req.final_reason is None:
-                sim.engine.abort(choice.req)
+                return self._stream(request, prepared, steering, choice, feed)
+            return self._unary(request, prepared, steering, choice, feed)
+
+        return await sim.generate(request, [choice], steering, answer)
 
     async def _unary(
         self,

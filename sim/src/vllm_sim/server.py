@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -836,6 +837,23 @@ class VllmSim:
                         echoes[p_idx] if echoes is not None else None,
                     )
                 )
+
+        def answer(feed: _Feed) -> Awaitable[web.StreamResponse]:
+            if common.stream:
+                return self._stream(request, common, steering, prompts, choices, feed, fmt)
+            return self._unary(request, common, steering, prompts, choices, feed, fmt)
+
+        return await self.generate(request, choices, steering, answer)
+
+    async def generate(
+        self,
+        request: web.Request,
+        choices: list[_Choice],
+        steering: Steering,
+        answer: Callable[[_Feed], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """Run `choices` on the engine and answer with `answer(feed)` (every API's path:
+        chat, completions, and those served as a converted chat request)."""
         for choice in choices:
             self.engine.submit(choice.req)
 
@@ -845,9 +863,7 @@ class VllmSim:
         assert task is not None
         self._watcher.watch(request, task)
         try:
-            if common.stream:
-                return await self._stream(request, common, steering, prompts, choices, feed, fmt)
-            return await self._unary(request, common, steering, prompts, choices, feed, fmt)
+            return await answer(feed)
         except ConnectionError:
             # The client went away mid-write. Answering with a throwaway response lets
             # aiohttp finish quietly instead of logging a handler error.
