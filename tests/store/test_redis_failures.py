@@ -152,7 +152,8 @@ async def test_fail_closed_answers_within_the_timeout_and_reconciles(
         for n in range(20):
             with pytest.raises(StoreUnavailable):
                 await store.reserve(req(10 + n), BACKEND, TENANT)
-        assert time.monotonic() - started < 0.05
+        # Twenty calls in less than one call's timeout: none of them waited for it.
+        assert time.monotonic() - started < TIMEOUT_S
 
         # The settlement of a Redis lease waits in the queue...
         settlement = await store.settle(

@@ -107,7 +107,9 @@ def down_url() -> str:
 def _counter(url: str, **options: Any) -> EngineCounter:
     settings: dict[str, Any] = {
         "name": DEMO_MODEL_NAME,
-        "timeout_s": 0.5,
+        # Generous: a live engine on a loaded CI machine may take seconds; the deadline
+        # tests set their own.
+        "timeout_s": 10.0,
         "max_concurrency": 4,
         "reserve_upper_bound": False,
         "cache_max_bytes": 64 * 1024,
@@ -319,8 +321,9 @@ async def test_a_hung_engine_is_unavailable_at_the_deadline(
     started = time.perf_counter()
     with pytest.raises(EngineCountUnavailable) as caught:
         await service.count_chat("hung", CHAT, tenant="a")
-    elapsed = time.perf_counter() - started
-    assert 0.29 <= elapsed < 0.6, elapsed
+    # Never before the deadline; the message names the deadline that ended it.
+    assert time.perf_counter() - started >= 0.29
+    assert "no count within 0.3 s (the engine did not answer)" in str(caught.value)
     assert not caught.value.reserve_upper_bound
     assert caught.value.retry_after_s >= 1
     # Settlement's output count has the same bound (the billing rule then falls back to
@@ -337,10 +340,10 @@ async def test_a_waiting_count_keeps_the_same_deadline(
     service.register("quick", _counter(hung_url, name="quick", timeout_s=0.2, max_concurrency=1))
     holder = asyncio.ensure_future(service.count_text("slow", "first", tenant="a", bounded=True))
     await asyncio.sleep(0.05)
-    started = time.perf_counter()
-    with pytest.raises(EngineCountUnavailable, match="waiting for a free connection"):
+    # Ended by its own 0.2 s deadline while it waited, not by the holder's 0.8 s one.
+    with pytest.raises(EngineCountUnavailable, match=r"no count within 0\.2 s \(waiting for"):
         await service.count_text("quick", "second", tenant="b", bounded=True)
-    assert time.perf_counter() - started < 0.45
+    assert not holder.done()
     with pytest.raises(EngineCountUnavailable, match="the engine did not answer"):
         await holder
 
@@ -349,10 +352,10 @@ async def test_a_down_engine_is_unavailable_at_once_and_may_admit_at_the_bound(
     down_url: str, service: TokenizerService
 ) -> None:
     service.register("down", _counter(down_url, name="down", reserve_upper_bound=True))
-    started = time.perf_counter()
     with pytest.raises(EngineCountUnavailable) as caught:
         await service.count_completion("down", "hello", tenant="a")
-    assert time.perf_counter() - started < 0.3
+    # Refused by the connection, not ended by the deadline.
+    assert "no count within" not in str(caught.value)
     assert caught.value.reserve_upper_bound
 
 
