@@ -188,6 +188,10 @@ def test_a_queue_bound_envoy_would_not_honour_is_refused() -> None:
 def test_a_tenant_without_a_key_needs_an_identity_source() -> None:
     data = base()
     data["tenants"].append({"name": "mesh-only"})
+    # Keys made through the admin API can name it...
+    assert parse_config(data).keys.store == "auto"
+    # ...and without them nothing can.
+    data["keys"] = {"store": "off"}
     with pytest.raises(ConfigError, match="'mesh-only' has no API key"):
         parse_config(data)
     data["identity"] = {"spiffe": {"tenants": {"spiffe://cluster.local/ns/a/sa/b": "mesh-only"}}}

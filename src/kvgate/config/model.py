@@ -293,6 +293,32 @@ class BudgetConfig(_Strict):
         return self
 
 
+class LevelBudgetConfig(_Strict):
+    """A team's, a user's or a key's own money caps: always `block` (fallback and clamp are
+    the tenant's choices), checked and reserved with the tenant's in one step."""
+
+    daily_usd: Reload[Decimal | None] = Field(default=None, ge=0)
+    monthly_usd: Reload[Decimal | None] = Field(default=None, ge=0)
+    shadow: Reload[bool] = False
+
+    @model_validator(mode="after")
+    def _precision(self) -> LevelBudgetConfig:
+        for amount in (self.daily_usd, self.monthly_usd):
+            if amount is not None and amount.as_tuple().exponent < -12:  # type: ignore[operator]
+                raise ValueError("budgets have at most 12 decimal places (pico-dollars)")
+        return self
+
+
+class LevelConfig(_Strict):
+    """The limits of one level under a tenant (a team, a user, an API key), each its own:
+    a request takes from the tenant's limits and from every level it belongs to."""
+
+    limits: LimitsConfig = LimitsConfig()
+    budget: LevelBudgetConfig | None = None
+    # The models this level may use (None: every model the tenant may).
+    models: Reload[list[str] | None] = None
+
+
 class TenantConfig(_Strict):
     """One tenant, compiled into the snapshot: every field applies on a reload (its rate
     buckets resize to the new specs)."""
@@ -315,6 +341,12 @@ class TenantConfig(_Strict):
     cache_sharing: Reload[bool] = False
     # The semantic cache serves this tenant only if it opts in (and the model does too).
     semantic_cache: Reload[bool] = False
+    # Teams by name, each with limits of its own (a key's or a token's team names one).
+    teams: dict[str, LevelConfig] = Field(default_factory=dict)
+    # Users by id, each with limits of its own; `user_limits` applies to each other user
+    # separately (a key's or a token's user), none when unset.
+    users: dict[str, LevelConfig] = Field(default_factory=dict)
+    user_limits: LevelConfig | None = None
     # Empty for a tenant only the mesh identifies (identity.jwt / identity.spiffe).
     api_key_sha256: Reload[list[str] | str] = Field(
         default_factory=list,
@@ -1032,6 +1064,8 @@ class JwtIdentityConfig(_Strict):
     # nested claims), and the one naming the user (access log, usage records).
     tenant_claim: Reload[str] = Field(default="tenant", min_length=1)
     user_claim: Reload[str | None] = Field(default="sub", min_length=1)
+    # The claim naming the caller's team under its tenant (its limits: tenants[].teams).
+    team_claim: Reload[str | None] = Field(default=None, min_length=1)
     # Only tokens whose `iss` is one of these (empty: every issuer jwt_authn accepts).
     issuers: Reload[list[str]] = Field(default_factory=list)
 
@@ -1060,6 +1094,23 @@ class IdentityConfig(_Strict):
     spiffe: SpiffeIdentityConfig | None = None
 
 
+class KeysConfig(_Strict):
+    """API keys as data (docs/keys.md): created, rotated and revoked through the admin API
+    (`kvgate keys`), each with its tenant, optional team and user, labels, expiry and limits
+    of its own; in force on every replica within `refresh_s` without a reload. Keys in the
+    tenants' `api_key_sha256` keep working beside them. Restart: the store is built once."""
+
+    # auto: the state store's Redis when `store` is one (every replica sees every key), else
+    # the embedded file; embedded: a SQLite file (one replica, survives restarts); off.
+    store: Restart[Literal["auto", "embedded", "redis", "off"]] = "auto"
+    path: Restart[str] = Field(default="var/keys.sqlite3", min_length=1)
+    # Looked-up keys (and unknown ones) kept in memory; a change anywhere empties it.
+    cache_entries: Restart[int] = Field(default=100_000, ge=0, le=10_000_000)
+    # How often a replica asks the store whether any key changed (the most a revocation
+    # made on another replica takes to be in force here).
+    refresh_s: Restart[float] = Field(default=0.25, gt=0, le=1.0)
+
+
 class KvgateConfig(_Strict):
     server: ServerConfig = ServerConfig()
     # "memory" (one process) or a Redis URL (redis://[[user]:password@]host:port/db or
@@ -1075,6 +1126,7 @@ class KvgateConfig(_Strict):
     semantic_cache: SemanticCacheConfig = SemanticCacheConfig()
     usage_records: UsageRecordsConfig = UsageRecordsConfig()
     identity: IdentityConfig = IdentityConfig()
+    keys: KeysConfig = KeysConfig()
 
     @field_validator("store")
     @classmethod
@@ -1157,11 +1209,15 @@ class KvgateConfig(_Strict):
                     f"identity.spiffe.tenants: {spiffe_id!r} names '{name}', not a tenant"
                 )
         for i, tenant in enumerate(self.tenants):
-            unreachable = self.identity.jwt is None and tenant.name not in spiffe_tenants
+            unreachable = (
+                self.identity.jwt is None
+                and tenant.name not in spiffe_tenants
+                and self.keys.store == "off"
+            )
             if not tenant.key_hashes and unreachable:
                 raise ValueError(
                     f"tenants.{i}.api_key_sha256: '{tenant.name}' has no API key, and no "
-                    "identity source (identity.jwt, identity.spiffe) can name it"
+                    "identity source (identity.jwt, identity.spiffe, keys) can name it"
                 )
         for i, tenant in enumerate(self.tenants):
             for name in tenant.model_limits:
@@ -1169,6 +1225,16 @@ class KvgateConfig(_Strict):
                     raise ValueError(
                         f"tenants.{i}.model_limits: '{name}' is not a configured model"
                     )
+            levels = [
+                *(("teams", name, level) for name, level in tenant.teams.items()),
+                *(("users", name, level) for name, level in tenant.users.items()),
+                *([("user_limits", None, tenant.user_limits)] if tenant.user_limits else []),
+            ]
+            for section, level_name, level in levels:
+                where = f"tenants.{i}.{section}" + (f".{level_name}" if level_name else "")
+                for name in level.models or ():
+                    if name not in models:
+                        raise ValueError(f"{where}.models: '{name}' is not a configured model")
             budget = tenant.budget
             if budget and budget.fallback_model and budget.fallback_model not in models:
                 raise ValueError(

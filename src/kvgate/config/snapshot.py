@@ -7,16 +7,24 @@ of an old config and half of a new one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from kvgate.config.model import KvgateConfig, LimitsConfig, ModelConfig, TenantConfig
+from kvgate.config.model import (
+    KvgateConfig,
+    LevelConfig,
+    LimitsConfig,
+    ModelConfig,
+    TenantConfig,
+)
 from kvgate.policy import (
     BackendLimits,
     BucketSpec,
     BudgetAction,
     BudgetRule,
     ConcurrencyRule,
+    Level,
+    LevelKind,
     Period,
     Pricing,
     RateRule,
@@ -33,6 +41,65 @@ class ModelRoute:
     max_context: int
     default_max_new_tokens: int
     pricing: Pricing
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLevels:
+    """A tenant's teams and users with limits of their own, compiled."""
+
+    teams: Mapping[str, Level] = field(default_factory=lambda: MappingProxyType({}))
+    users: Mapping[str, Level] = field(default_factory=lambda: MappingProxyType({}))
+    # Every other user's own limits (its name filled in per request); None: users of this
+    # tenant have no limits of their own unless listed.
+    user_template: Level | None = None
+
+    def levels(self, team: str | None, user: str | None) -> tuple[Level, ...]:
+        """The levels a caller of this team and user takes from, outermost first."""
+        levels: list[Level] = []
+        if team is not None and (team_level := self.teams.get(team)) is not None:
+            levels.append(team_level)
+        if user is not None:
+            user_level = self.users.get(user)
+            if user_level is None and self.user_template is not None:
+                user_level = replace(self.user_template, name=user)
+            if user_level is not None:
+                levels.append(user_level)
+        return tuple(levels)
+
+
+NO_LEVELS = TenantLevels()
+
+
+def compile_level(kind: LevelKind, name: str, level: LevelConfig) -> Level:
+    budgets: list[BudgetRule] = []
+    if level.budget is not None:
+        budget = level.budget
+        for period, amount in ((Period.DAY, budget.daily_usd), (Period.MONTH, budget.monthly_usd)):
+            if amount is not None:
+                budgets.append(BudgetRule(period, usd_to_pico(amount), budget.shadow))
+    return Level(
+        kind=kind,
+        name=name,
+        limits=_scope(level.limits),
+        budgets=tuple(budgets),
+        models=frozenset(level.models) if level.models is not None else None,
+    )
+
+
+def _tenant_levels(tenant: TenantConfig) -> TenantLevels:
+    if not (tenant.teams or tenant.users or tenant.user_limits):
+        return NO_LEVELS
+    return TenantLevels(
+        teams=MappingProxyType(
+            {name: compile_level(LevelKind.TEAM, name, c) for name, c in tenant.teams.items()}
+        ),
+        users=MappingProxyType(
+            {name: compile_level(LevelKind.USER, name, c) for name, c in tenant.users.items()}
+        ),
+        user_template=compile_level(LevelKind.USER, "", tenant.user_limits)
+        if tenant.user_limits is not None
+        else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +124,11 @@ class RuntimeSnapshot:
     tenant_configs: Mapping[str, TenantConfig] = field(default_factory=lambda: MappingProxyType({}))
     # The models' own settings beyond their route (semantic cache opt-in, ...).
     model_configs: Mapping[str, ModelConfig] = field(default_factory=lambda: MappingProxyType({}))
+    # Tenants with teams or users of their own limits (others have none).
+    tenant_levels: Mapping[str, TenantLevels] = field(default_factory=lambda: MappingProxyType({}))
+
+    def levels(self, tenant: str, team: str | None, user: str | None) -> tuple[Level, ...]:
+        return self.tenant_levels.get(tenant, NO_LEVELS).levels(team, user)
 
 
 def _route(model: ModelConfig) -> ModelRoute:
@@ -143,6 +215,13 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
         ),
         tenant_configs=MappingProxyType({t.name: t for t in config.tenants}),
         model_configs=MappingProxyType({m.name: m for m in config.models}),
+        tenant_levels=MappingProxyType(
+            {
+                t.name: levels
+                for t in config.tenants
+                if (levels := _tenant_levels(t)) is not NO_LEVELS
+            }
+        ),
     )
 
 

@@ -55,6 +55,33 @@ class BudgetRule:
     shadow: bool = False
 
 
+class LevelKind(enum.StrEnum):
+    """A level under the tenant whose limits a request also takes from."""
+
+    TEAM = "team"
+    USER = "user"
+    KEY = "key"
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One level of the caller under its tenant (its team, its user, its API key) with the
+    limits and budgets of its own; reserved in the same atomic step as the tenant's."""
+
+    kind: LevelKind
+    name: str
+    limits: ScopeLimits = ScopeLimits()
+    budgets: tuple[BudgetRule, ...] = ()
+    # The models this level may use; None: any the tenant may.
+    models: frozenset[str] | None = None
+
+    @property
+    def scope_key(self) -> str:
+        """Its scope in the tenant's state ("@team:research"): a model's scope is its name,
+        and no model name starts with "@"."""
+        return f"@{self.kind.value}:{self.name}"
+
+
 @dataclass(frozen=True, slots=True)
 class TenantPolicy:
     name: str
@@ -63,6 +90,12 @@ class TenantPolicy:
     budgets: tuple[BudgetRule, ...] = ()
     budget_action: BudgetAction = BudgetAction.BLOCK
     fallback_model: str | None = None
+    # The caller's levels under the tenant (team, user, key), outermost first: set per
+    # request (`with_levels`), never in the snapshot's tenant policy.
+    levels: tuple[Level, ...] = ()
+
+    def with_levels(self, levels: tuple[Level, ...]) -> TenantPolicy:
+        return replace(self, levels=levels) if levels else self
 
     def scopes(self, model: str) -> list[tuple[str, ScopeLimits]]:
         scopes = [(TENANT_SCOPE, self.limits)]
