@@ -11,6 +11,7 @@ from kvgate.capacity.registry import CapacityRegistry
 from kvgate.config import SnapshotHolder
 from kvgate.config.snapshot import RuntimeSnapshot
 from kvgate.extproc.handoff import HandoffRegistry
+from kvgate.keys import KeyDirectory
 from kvgate.lifecycle import (
     Admission,
     BackgroundTasks,
@@ -49,7 +50,10 @@ class GatewayServices:
         settler: Settler,
         scheduler: PoolScheduler | None = None,
         answer_sources: Sequence[AnswerSource] = (),
+        keys: KeyDirectory | None = None,
     ) -> None:
+        # API keys as data (None: keys.store is off; only the config's keys authenticate).
+        self.keys = keys
         self.scheduler = scheduler
         # What may answer a request instead of a backend, in the order asked (app.py).
         self.answer_sources = tuple(answer_sources)
