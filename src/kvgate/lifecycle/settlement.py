@@ -17,6 +17,7 @@ from kvgate.metrics import Metrics
 from kvgate.policy import ActualUsage, SettleCause, TenantPolicy, pico_to_usd
 from kvgate.policy.pricing import PICO_PER_USD
 from kvgate.store import StateStore
+from kvgate.tokenize.vision import fetched_images
 from kvgate.usage_records.facts import RequestFacts, settled_record
 
 if TYPE_CHECKING:
@@ -72,7 +73,9 @@ class Settler:
         charged, metered = charged_usage(cause, reading, ticket.reservation, rule)
         if not metered:
             self._metrics.unmetered_settlements.labels(ticket.backend).inc()
-        if reading.usage is not None:
+        if reading.usage is not None and not fetched_images(ticket.request.messages):
+            # An image the engine fetches is reserved at the model's most per image: a
+            # bound by design, not a count that could disagree with the engine's.
             self._observe_prompt_count(ticket, reading.usage.prompt_tokens)
         cost = ticket.pricing.cost(
             charged.prompt_tokens, charged.output_tokens, charged.cached_tokens
