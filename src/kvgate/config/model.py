@@ -1086,11 +1086,25 @@ class SpiffeIdentityConfig(_Strict):
         return value
 
 
+class ExtAuthzIdentityConfig(_Strict):
+    """Callers identified by an ext_authz server in front of kvgate: the `dynamic_metadata`
+    of its OK CheckResponse, which Envoy's ext_authz filter puts in its namespace and the
+    ext_proc filter forwards (`metadata_options.forwarding_namespaces.untyped`)."""
+
+    metadata_namespace: Reload[str] = Field(default="envoy.filters.http.ext_authz", min_length=1)
+    # The metadata keys naming the tenant (its name in this config), the user and the team.
+    tenant_key: Reload[str] = Field(default="tenant", min_length=1)
+    user_key: Reload[str | None] = Field(default="user", min_length=1)
+    team_key: Reload[str | None] = Field(default=None, min_length=1)
+
+
 class IdentityConfig(_Strict):
     """Who is calling, besides API keys: what the mesh verified (docs/identity.md). A
-    verified token is read first, then an API key, then the connection's SPIFFE ID."""
+    verified token is read first, then an ext_authz server's identity, then an API key,
+    then the connection's SPIFFE ID."""
 
     jwt: JwtIdentityConfig | None = None
+    ext_authz: ExtAuthzIdentityConfig | None = None
     spiffe: SpiffeIdentityConfig | None = None
 
 
@@ -1211,13 +1225,15 @@ class KvgateConfig(_Strict):
         for i, tenant in enumerate(self.tenants):
             unreachable = (
                 self.identity.jwt is None
+                and self.identity.ext_authz is None
                 and tenant.name not in spiffe_tenants
                 and self.keys.store == "off"
             )
             if not tenant.key_hashes and unreachable:
                 raise ValueError(
                     f"tenants.{i}.api_key_sha256: '{tenant.name}' has no API key, and no "
-                    "identity source (identity.jwt, identity.spiffe, keys) can name it"
+                    "identity source (identity.jwt, identity.ext_authz, identity.spiffe, keys) can "
+                    "name it"
                 )
         for i, tenant in enumerate(self.tenants):
             for name in tenant.model_limits:

@@ -1,15 +1,22 @@
 """Who is calling, from what the mesh already verified: a JWT Envoy's jwt_authn filter
 checked (its payload in the filter's dynamic metadata, forwarded to kvgate by the ext_proc
-filter's ``metadata_options.forwarding_namespaces``), or the mTLS peer certificate's SPIFFE
-ID (Envoy's ``connection.uri_san_peer_certificate`` attribute, sent with
+filter's ``metadata_options.forwarding_namespaces``), the identity an ext_authz server
+returned with its OK (the ``dynamic_metadata`` of its CheckResponse, in the ext_authz
+filter's namespace, forwarded the same way), or the mTLS peer certificate's SPIFFE ID
+(Envoy's ``connection.uri_san_peer_certificate`` attribute, sent with
 ``request_attributes``).
 
-Both come from Envoy, never from a request header: a client cannot forge them (a header
-named like a JWT payload is only a header). The order is fixed: a verified token, then an
-API key, then the connection's SPIFFE ID (a per-request credential beats the connection's
-identity, and the token's own Authorization header is not read as an API key). A source
-that is present but names no tenant of this config refuses the request (401) instead of
-falling through to a weaker one.
+All come from Envoy, never from a request header: a client cannot forge them (a header
+named like a JWT payload is only a header). The order is fixed: a verified token, then the
+ext_authz server's identity, then an API key, then the connection's SPIFFE ID (a
+per-request credential beats the connection's identity, and the token's own Authorization
+header is not read as an API key). A source that is present but names no tenant of this
+config refuses the request (401) instead of falling through to a weaker one.
+
+A route may accept only some sources (``x-kvgate-route-identity-sources``): a per-request
+credential it does not accept (a token, an ext_authz identity, an API key) refuses the
+request rather than being ignored, so a caller is never charged as someone else; the
+connection's SPIFFE ID, which every mTLS client has, is then only not read.
 """
 
 from __future__ import annotations
@@ -21,10 +28,22 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format, struct_pb2
 
-from kvgate.config.model import IdentityConfig, JwtIdentityConfig, SpiffeIdentityConfig
+from kvgate.config.model import (
+    ExtAuthzIdentityConfig,
+    IdentityConfig,
+    JwtIdentityConfig,
+    SpiffeIdentityConfig,
+)
 
 # The attribute Envoy fills with the peer certificate's URI SANs (ext_proc request_attributes).
 PEER_URI_SAN_ATTRIBUTE = "connection.uri_san_peer_certificate"
+
+# The identity sources, as a route names them (route_settings.IDENTITY_SOURCES_KEY).
+JWT = "jwt"
+EXT_AUTHZ = "ext_authz"
+API_KEY = "api_key"
+SPIFFE = "spiffe"
+IDENTITY_SOURCES = frozenset({JWT, EXT_AUTHZ, API_KEY, SPIFFE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,13 +51,20 @@ class Caller:
     tenant: str
     # The user (a token's user claim), when the source names one.
     user: str | None
-    # "jwt" or "spiffe": how the caller was identified (the access log says).
+    # "jwt", "ext_authz" or "spiffe": how the caller was identified (the access log says).
     source: str
+    # The team under the tenant (tenants[].teams), when the source names one.
+    team: str | None = None
 
 
 class IdentityRefused(Exception):
-    """A source was present and named no tenant: why, for kvgate's log (the client's 401
-    never says which tenants exist)."""
+    """A source was present and named no tenant, or the route does not accept the caller's
+    credential: why, for kvgate's log (the client's 401 never says which tenants exist)."""
+
+
+class SourceNotAccepted(IdentityRefused):
+    """The request carries a credential (a token, an ext_authz identity, an API key) of a
+    source its route does not accept, or no credential the route accepts."""
 
 
 def _struct_value(value: struct_pb2.Value) -> Any:
@@ -90,14 +116,48 @@ def caller_from_token(
     if not isinstance(tenant, str) or tenant not in tenants:
         raise IdentityRefused(f"token claim {jwt.tenant_claim!r} names no tenant")
     user = _claim(payload, jwt.user_claim) if jwt.user_claim else None
-    return Caller(tenant=tenant, user=user if isinstance(user, str) else None, source="jwt")
+    team = _claim(payload, jwt.team_claim) if jwt.team_claim else None
+    return Caller(
+        tenant=tenant,
+        user=user if isinstance(user, str) else None,
+        source=JWT,
+        team=team if isinstance(team, str) else None,
+    )
+
+
+def ext_authz_identity(
+    message: pb.ProcessingRequest, ext_authz: ExtAuthzIdentityConfig
+) -> dict[str, Any] | None:
+    """What the ext_authz server said about the caller, when it named a tenant at all (its
+    metadata may carry other keys for other filters: those alone are no identity)."""
+    namespace = message.metadata_context.filter_metadata.get(ext_authz.metadata_namespace)
+    if namespace is None or ext_authz.tenant_key not in namespace.fields:
+        return None
+    return {name: _struct_value(value) for name, value in namespace.fields.items()}
+
+
+def caller_from_ext_authz(
+    metadata: dict[str, Any], ext_authz: ExtAuthzIdentityConfig, tenants: Mapping[str, Any]
+) -> Caller:
+    """The caller an ext_authz server named; ``IdentityRefused`` when it names no tenant."""
+    tenant = metadata.get(ext_authz.tenant_key)
+    if not isinstance(tenant, str) or tenant not in tenants:
+        raise IdentityRefused(f"ext_authz metadata {ext_authz.tenant_key!r} names no tenant")
+    user = metadata.get(ext_authz.user_key) if ext_authz.user_key else None
+    team = metadata.get(ext_authz.team_key) if ext_authz.team_key else None
+    return Caller(
+        tenant=tenant,
+        user=user if isinstance(user, str) else None,
+        source=EXT_AUTHZ,
+        team=team if isinstance(team, str) else None,
+    )
 
 
 def caller_from_spiffe(spiffe_id: str, spiffe: SpiffeIdentityConfig) -> Caller:
     tenant = spiffe.tenants.get(spiffe_id)
     if tenant is None:
         raise IdentityRefused(f"SPIFFE ID {spiffe_id!r} names no tenant")
-    return Caller(tenant=tenant, user=None, source="spiffe")
+    return Caller(tenant=tenant, user=None, source=SPIFFE)
 
 
 def mesh_caller(
@@ -105,15 +165,41 @@ def mesh_caller(
     identity: IdentityConfig,
     tenants: Mapping[str, Any],
     api_key: str | None,
+    sources: frozenset[str] | None = None,
 ) -> Caller | None:
-    """The caller the mesh identified, in kvgate's order (a verified token, then an API key,
-    then the connection's SPIFFE ID); None when the API key decides (or nothing does).
-    ``IdentityRefused`` when a source that decides names no tenant."""
+    """The caller the mesh identified, in kvgate's order (a verified token, then an
+    ext_authz server's identity, then an API key, then the connection's SPIFFE ID); None
+    when the API key decides (or nothing does, and the route accepts API keys).
+
+    ``sources``: the route's accepted sources (None: every configured one). Raises
+    ``IdentityRefused`` when a source that decides names no tenant, and its subclass
+    ``SourceNotAccepted`` when the request carries a credential the route does not accept
+    or nothing the route accepts; both are 401 ``unknown_identity``."""
+
+    def accepts(source: str) -> bool:
+        return sources is None or source in sources
+
     if identity.jwt is not None:
         payload = token_payload(message, identity.jwt)
         if payload is not None:
+            if not accepts(JWT):
+                raise SourceNotAccepted("the route does not accept verified tokens")
             return caller_from_token(payload, identity.jwt, tenants)
-    if api_key is not None or identity.spiffe is None:
+    if identity.ext_authz is not None:
+        metadata = ext_authz_identity(message, identity.ext_authz)
+        if metadata is not None:
+            if not accepts(EXT_AUTHZ):
+                raise SourceNotAccepted("the route does not accept ext_authz identities")
+            return caller_from_ext_authz(metadata, identity.ext_authz, tenants)
+    if api_key is not None:
+        if not accepts(API_KEY):
+            raise SourceNotAccepted("the route does not accept API keys")
         return None
-    spiffe_id = peer_spiffe_id(message)
-    return caller_from_spiffe(spiffe_id, identity.spiffe) if spiffe_id is not None else None
+    if identity.spiffe is not None and accepts(SPIFFE):
+        spiffe_id = peer_spiffe_id(message)
+        if spiffe_id is not None:
+            return caller_from_spiffe(spiffe_id, identity.spiffe)
+    if not accepts(API_KEY):
+        # Nothing this route accepts: not "no API key", which the route would not take.
+        raise SourceNotAccepted("no identity the route accepts")
+    return None

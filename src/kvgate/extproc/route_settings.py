@@ -15,6 +15,7 @@ initial metadata of the stream Envoy opens to kvgate:
             - { key: x-kvgate-route-backend, value: batch-pool }  # instead of the model's
             - { key: x-kvgate-route-shadow, value: "true" }  # tenant limits not enforced
             - { key: x-kvgate-route-key-header, value: api-key }  # where the key is
+            - { key: x-kvgate-route-identity-sources, value: "jwt, spiffe" }  # mesh only
 
 Envoy merges the override of the route a request first matches (before kvgate's decision
 re-routes it), so the settings belong on the routes that match requests on their way in.
@@ -28,6 +29,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from kvgate.extproc.identity import IDENTITY_SOURCES
 
 PREFIX = "x-kvgate-route"
 NAME_KEY = PREFIX
@@ -47,8 +50,21 @@ SHADOW_KEY = f"{PREFIX}-shadow"
 # mutation_rules allow-list; with disallow_is_error (the shipped configs) a header outside
 # it fails the request closed instead of leaking the key.
 KEY_HEADER_KEY = f"{PREFIX}-key-header"
+# The identity sources the route accepts (jwt, ext_authz, api_key, spiffe; default: every
+# one kvgate's config has), e.g. only the mesh's on an internal route. A credential of
+# another source refuses the request (identity.mesh_caller).
+IDENTITY_SOURCES_KEY = f"{PREFIX}-identity-sources"
 KNOWN_KEYS = frozenset(
-    {NAME_KEY, MODELS_KEY, TENANTS_KEY, PRIORITY_KEY, BACKEND_KEY, SHADOW_KEY, KEY_HEADER_KEY}
+    {
+        NAME_KEY,
+        MODELS_KEY,
+        TENANTS_KEY,
+        PRIORITY_KEY,
+        BACKEND_KEY,
+        SHADOW_KEY,
+        KEY_HEADER_KEY,
+        IDENTITY_SOURCES_KEY,
+    }
 )
 # A lowercase HTTP field name; not a pseudo-header, not one Envoy or kvgate owns, not one
 # that routes or frames the message.
@@ -85,6 +101,8 @@ class RouteSettings:
     backend: str | None = None
     shadow: bool = False
     key_header: str | None = None
+    # None: every identity source kvgate's config has.
+    identity_sources: frozenset[str] | None = None
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -123,7 +141,18 @@ def parse_route_settings(metadata: Iterable[tuple[str, str | bytes]]) -> RouteSe
         backend=_backend(seen.get(BACKEND_KEY)),
         shadow=_flag(SHADOW_KEY, seen.get(SHADOW_KEY)),
         key_header=_key_header(seen.get(KEY_HEADER_KEY)),
+        identity_sources=_identity_sources(seen.get(IDENTITY_SOURCES_KEY)),
     )
+
+
+def _identity_sources(value: str | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    names = [part.strip() for part in value.split(",")]
+    if any(name not in IDENTITY_SOURCES for name in names):
+        known = ", ".join(sorted(IDENTITY_SOURCES))
+        raise RouteSettingsError(IDENTITY_SOURCES_KEY, f"must be a comma-separated list of {known}")
+    return frozenset(names)
 
 
 def _key_header(value: str | None) -> str | None:
