@@ -184,9 +184,7 @@ class Admission:
         was taken already (`take_request_slot`, before the answer sources)."""
         self._priority = priority
         self._on_queued = on_queued
-        route = self._snapshot.models.get(request.model)
-        if route is None:
-            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, request.model, param="model"))
+        route = self._route_of(request.model, tenant)
         if backend is not None and backend != route.backend:
             # The request's Envoy route names the backend (or pool) that serves it. A budget
             # fallback model is still served by its own.
@@ -203,7 +201,8 @@ class Admission:
         )
         if decision.admitted:
             return self._ticket(decision, sized, request, request_id, endpoint=endpoint)
-        if decision.reason is Reason.BUDGET_EXCEEDED:
+        # A level's budget (team, user, key) blocks: the tenant's budget action is its own.
+        if decision.reason is Reason.BUDGET_EXCEEDED and not decision.level_budget_refused:
             if tenant.budget_action is BudgetAction.CLAMP:
                 clamped = await self._clamp(
                     request, tenant, sized, decision, request_id, admission_id, request_slot_taken
@@ -222,6 +221,14 @@ class Admission:
                 if fallen is not None:
                     return fallen
         raise Rejected(rejection_of(decision))
+
+    def _route_of(self, model: str, tenant: TenantPolicy) -> ModelRoute:
+        """The model's route; a model unknown, or outside the allow-list of any of the
+        caller's levels (team, user, key), is refused alike: it does not exist for them."""
+        route = self._snapshot.models.get(model)
+        if route is None or not tenant.allows_model(model):
+            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, model, param="model"))
+        return route
 
     def _refuse_too_many_inputs(self, request: ParsedRequest) -> None:
         """A pooling request's inputs (or pairs), each a prompt the engine encodes, are at
@@ -242,8 +249,11 @@ class Admission:
     async def take_request_slot(self, model: str, tenant: TenantPolicy, admission_id: str) -> bool:
         """Take the request's RPM slot before any answer source looks at it: a cache hit,
         a replay or a duplicate's wait is a request the tenant made. O(1): nothing of the
-        body is read. Rejected when over RPM; False when the store could not answer (the
-        admission's own pre-check then takes the slot)."""
+        body is read. Rejected when over RPM, or when a level of the caller may not use the
+        model (before an answer source could answer for it); False when the store could not
+        answer (the admission's own pre-check then takes the slot)."""
+        if not tenant.allows_model(model):
+            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, model, param="model"))
         lower_bound = AdmissionRequest(
             request_id=admission_id,
             tenant=tenant.name,
@@ -269,9 +279,7 @@ class Admission:
         """The exact prompt tokens of ``request`` on its model, for an endpoint that answers
         with the count (no backend, no reservation): the tenant's RPM slot is taken first,
         and the count runs in the tenant's fair share of the counting workers."""
-        route = self._snapshot.models.get(request.model)
-        if route is None:
-            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, request.model, param="model"))
+        route = self._route_of(request.model, tenant)
         await self.take_request_slot(request.model, tenant, admission_id)
         counts = await self._count(request, route.name, tenant.name)
         if counts is None:
@@ -292,9 +300,7 @@ class Admission:
         model must exist and the tenant's RPM slot is taken; nothing is reserved or charged.
         Returns the model's route (on `backend` when the request's route names one) and, for
         a pool, the endpoint to send it to."""
-        route = self._snapshot.models.get(model)
-        if route is None:
-            raise Rejected(Rejection(Reason.MODEL_NOT_FOUND, model, param="model"))
+        route = self._route_of(model, tenant)
         if backend is not None and backend != route.backend:
             route = replace(route, backend=backend)
         if not await self.take_request_slot(model, tenant, admission_id):
@@ -789,8 +795,8 @@ class Admission:
         request_slot_taken: bool,
     ) -> Ticket | None:
         route = self._snapshot.models.get(fallback)
-        if route is None or route.name == request.model:
-            return None
+        if route is None or route.name == request.model or not tenant.allows_model(fallback):
+            return None  # a fallback no level of the caller may use is no fallback
         # The fallback model has its own tokenizer, context and prices: count again. A slot
         # taken for the requested model counts this request (the fallback model's own RPM
         # scope, if any, is then not charged: the client asked for the first model).

@@ -161,6 +161,7 @@ def settle_tenant(
     usage: ActualUsage,
     cost_pico: int,
     now: float,
+    wall: float | None = None,
 ) -> None:
     if reservation.hold is None:
         return
@@ -171,4 +172,5 @@ def settle_tenant(
         used_tokens=usage.total_tokens,
         cost_pico=cost_pico,
         now=now,
+        wall=wall,
     )

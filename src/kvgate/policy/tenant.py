@@ -21,6 +21,20 @@ from kvgate.policy.periods import Period, period_key, seconds_until_reset
 from kvgate.policy.types import Reason
 
 TENANT_SCOPE = ""  # the scope key of tenant-wide limits; model scopes use the model name
+LEVEL_SCOPE_PREFIX = "@"  # a level's scope key ("@team:research"); no model name starts so
+# A level's money per period is forgotten once nothing touched it for this long (longer than
+# any month, so a period's spend outlives the period): level scopes can be many.
+LEVEL_LEDGER_KEEP_S = 40 * 86400.0
+
+
+def is_level_scope(scope_key: str) -> bool:
+    return scope_key.startswith(LEVEL_SCOPE_PREFIX)
+
+
+def _level_of(scope_key: str) -> tuple[str, str]:
+    """(kind, name) of a level scope key ("@team:research" -> ("team", "research"))."""
+    kind, _, name = scope_key[1:].partition(":")
+    return kind, name
 
 
 class BudgetAction(enum.StrEnum):
@@ -101,7 +115,15 @@ class TenantPolicy:
         scopes = [(TENANT_SCOPE, self.limits)]
         if model in self.model_limits:
             scopes.append((model, self.model_limits[model]))
+        scopes += [(level.scope_key, level.limits) for level in self.levels]
         return scopes
+
+    def allows_model(self, model: str) -> bool:
+        """Every level of the caller may use `model` (a level without a list allows any)."""
+        return all(level.models is None or model in level.models for level in self.levels)
+
+    def level_scope_keys(self) -> tuple[str, ...]:
+        return tuple(level.scope_key for level in self.levels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +136,8 @@ class Violation:
     # True when the wait depends on in-flight work finishing (concurrency): the caller,
     # who sees that work, estimates it.
     frees_with_work: bool = False
+    # The level whose limit this is (None: the tenant's own or its model's).
+    level: LevelKind | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +152,9 @@ class TenantHold:
     # The pre-check took the RPM request, not this reservation (the request's
     # `request_slot_taken`): an abandon gives back only what the reserve took.
     request_slot_taken: bool = False
+    # The caller's level scopes ("@team:research"), each holding `cost_pico` reserved for
+    # both periods until settlement (spent per level, budget or not: the level's ledger).
+    level_scopes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +182,11 @@ class TenantState:
     # Budget money per period key ("2026-11-29", "2026-11"), in pico-dollars.
     spent: dict[str, int] = field(default_factory=dict)
     reserved: dict[str, int] = field(default_factory=dict)
+    # Each level's money, keyed (level scope key, period key), and when it last changed
+    # (wall seconds) so that an idle level's ledger can be forgotten.
+    level_spent: dict[tuple[str, str], int] = field(default_factory=dict)
+    level_reserved: dict[tuple[str, str], int] = field(default_factory=dict)
+    level_touched: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def scope(self, key: str, limits: ScopeLimits, now: float) -> ScopeState:
         state = self.scopes.get(key)
@@ -163,6 +195,60 @@ class TenantState:
         state.requests = _sync_bucket(state.requests, limits.rpm, now)
         state.tokens = _sync_bucket(state.tokens, limits.tpm, now)
         return state
+
+    def held_scope(
+        self, key: str, limits_by_scope: Mapping[str, ScopeLimits], now: float
+    ) -> ScopeState:
+        """The scope a hold took from, to give back to. A level scope the current policy
+        does not name (a sweep or an abandon settles against the tenant's last request,
+        whose caller may be another) keeps its buckets as they are: syncing to "no rule"
+        would drop them, forgetting the tokens they lent."""
+        limits = limits_by_scope.get(key)
+        if limits is None and is_level_scope(key):
+            state = self.scopes.get(key)
+            if state is None:
+                state = self.scopes[key] = ScopeState()
+            return state
+        return self.scope(key, limits or ScopeLimits(), now)
+
+    def add_level_money(
+        self,
+        book: dict[tuple[str, str], int],
+        key: tuple[str, str],
+        amount: int,
+        wall: float | None,
+    ) -> None:
+        """`wall` None: the time is unknown to the caller; the entry keeps its last one."""
+        book[key] = max(0, book.get(key, 0) + amount)
+        if wall is not None or key not in self.level_touched:
+            self.level_touched[key] = wall if wall is not None else 0.0
+
+    def prune_idle_levels(self, now: float, wall: float) -> int:
+        """Forget level state that says nothing a fresh one would not: a level scope with
+        full buckets and nothing in flight, and a level's money untouched for
+        LEVEL_LEDGER_KEEP_S with nothing reserved. Returns how many entries went."""
+        idle_scopes = [
+            key
+            for key, scope in self.scopes.items()
+            if is_level_scope(key)
+            and scope.in_flight == 0
+            and all(
+                bucket is None or bucket.available(now) >= bucket.spec.capacity
+                for bucket in (scope.requests, scope.tokens)
+            )
+        ]
+        for key in idle_scopes:
+            del self.scopes[key]
+        stale_money = [
+            money
+            for money, touched in self.level_touched.items()
+            if wall - touched >= LEVEL_LEDGER_KEEP_S and self.level_reserved.get(money, 0) == 0
+        ]
+        for money in stale_money:
+            del self.level_touched[money]
+            self.level_spent.pop(money, 0)
+            self.level_reserved.pop(money, 0)
+        return len(idle_scopes) + len(stale_money)
 
 
 def _sync_bucket(
@@ -178,7 +264,59 @@ def _sync_bucket(
 
 
 def _label(scope: str, name: str) -> str:
-    return name if scope == TENANT_SCOPE else f"model:{name}"
+    """A metric label: low cardinality, so a level is named by its kind, never its name."""
+    if scope == TENANT_SCOPE:
+        return name
+    if is_level_scope(scope):
+        return f"{_level_of(scope)[0]}:{name}"
+    return f"model:{name}"
+
+
+def _where(scope: str) -> str:
+    """The scope in a refusal's text (the client reads it)."""
+    if scope == TENANT_SCOPE:
+        return ""
+    if is_level_scope(scope):
+        kind, name = _level_of(scope)
+        return f" for {kind} '{name}'"
+    return f" for model '{scope}'"
+
+
+def _level_kind(scope: str) -> LevelKind | None:
+    return LevelKind(_level_of(scope)[0]) if is_level_scope(scope) else None
+
+
+_PERIOD_ADJECTIVE = {Period.DAY: "daily", Period.MONTH: "monthly"}
+
+
+def _level_budget_violations(
+    policy: TenantPolicy, state: TenantState, cost_pico: int, wall: float
+) -> list[Violation]:
+    """Each level's budgets: always "block" (the tenant's budget action is the tenant's)."""
+    violations: list[Violation] = []
+    for level in policy.levels:
+        for rule in level.budgets:
+            key = (level.scope_key, period_key(rule.period, wall))
+            left = rule.cap_pico - state.level_spent.get(key, 0) - state.level_reserved.get(key, 0)
+            if cost_pico <= left:
+                continue
+            never = cost_pico > rule.cap_pico
+            budget = f"{_PERIOD_ADJECTIVE[rule.period]} budget of {level.kind.value} '{level.name}'"
+            violations.append(
+                Violation(
+                    Reason.BUDGET_EXCEEDED,
+                    f"{level.kind.value}:budget_{rule.period.value}",
+                    (
+                        f"This request's worst-case cost exceeds the whole {budget}."
+                        if never
+                        else f"The {budget} is exhausted."
+                    ),
+                    None if never else seconds_until_reset(rule.period, wall),
+                    rule.shadow,
+                    level=level.kind,
+                )
+            )
+    return violations
 
 
 def evaluate(
@@ -200,7 +338,8 @@ def evaluate(
     violations: list[Violation] = []
     for scope_key, limits in policy.scopes(model):
         scope = state.scope(scope_key, limits, now)
-        where = "" if scope_key == TENANT_SCOPE else f" for model '{scope_key}'"
+        where = _where(scope_key)
+        level = _level_kind(scope_key)
         if limits.rpm is not None and scope.requests is not None:
             wait = scope.requests.wait_for(0 if request_slot_taken else 1, now)
             if wait > 0:
@@ -212,6 +351,7 @@ def evaluate(
                         f"{limits.rpm.spec.capacity:g}.",
                         wait,
                         limits.rpm.shadow,
+                        level=level,
                     )
                 )
         if limits.tpm is not None and scope.tokens is not None:
@@ -226,6 +366,7 @@ def evaluate(
                         f"({capacity:g}). Lower max_tokens or shorten the prompt.",
                         None,
                         limits.tpm.shadow,
+                        level=level,
                     )
                 )
             else:
@@ -240,6 +381,7 @@ def evaluate(
                             f"{capacity:g}, available {available}, requested {tokens}.",
                             wait,
                             limits.tpm.shadow,
+                            level=level,
                         )
                     )
         if limits.concurrency is not None and scope.in_flight >= limits.concurrency.limit:
@@ -251,6 +393,7 @@ def evaluate(
                     None,
                     limits.concurrency.shadow,
                     frees_with_work=True,
+                    level=level,
                 )
             )
     for rule in policy.budgets:
@@ -272,11 +415,13 @@ def evaluate(
                     rule.shadow,
                 )
             )
+    violations += _level_budget_violations(policy, state, cost_pico, wall)
     return violations
 
 
 def budget_left_pico(policy: TenantPolicy, state: TenantState, wall: float) -> int | None:
-    """The smallest remaining (enforced) budget, or None when no budget is enforced."""
+    """The smallest remaining (enforced) budget of the tenant, or None when none is enforced.
+    Levels' budgets are not in it: the clamp and fallback actions are the tenant's."""
     lefts = [
         rule.cap_pico
         - state.spent.get(period_key(rule.period, wall), 0)
@@ -313,6 +458,10 @@ def apply(
     keys = tuple((period, period_key(period, wall)) for period in (Period.DAY, Period.MONTH))
     for _, key in keys:
         state.reserved[key] = state.reserved.get(key, 0) + cost_pico
+    level_scopes = policy.level_scope_keys()
+    for scope_key in level_scopes:
+        for _, key in keys:
+            state.add_level_money(state.level_reserved, (scope_key, key), cost_pico, wall)
     return TenantHold(
         model=model,
         tokens=tokens,
@@ -320,6 +469,7 @@ def apply(
         period_keys=keys,
         concurrency_scopes=tuple(concurrency_scopes),
         request_slot_taken=request_slot_taken,
+        level_scopes=level_scopes,
     )
 
 
@@ -341,6 +491,7 @@ def release(
     cost_pico: int,
     now: float,
     refund_request: bool = False,
+    wall: float | None = None,
 ) -> None:
     """Settle: refund unused tokens (or charge the overshoot), free the slot, book the cost.
 
@@ -349,8 +500,7 @@ def release(
     by the pre-check stays taken: the request was made, before any expensive work."""
     limits_by_scope = dict(policy.scopes(hold.model))
     for scope_key in hold.concurrency_scopes:
-        limits = limits_by_scope.get(scope_key, ScopeLimits())
-        scope = state.scope(scope_key, limits, now)
+        scope = state.held_scope(scope_key, limits_by_scope, now)
         scope.in_flight = max(0, scope.in_flight - 1)
         if refund_request and not hold.request_slot_taken and scope.requests is not None:
             scope.requests.give_back(1, now)
@@ -359,6 +509,10 @@ def release(
     for _, key in hold.period_keys:
         state.reserved[key] = max(0, state.reserved.get(key, 0) - hold.cost_pico)
         state.spent[key] = state.spent.get(key, 0) + cost_pico
+        for scope_key in hold.level_scopes:
+            money = (scope_key, key)
+            state.add_level_money(state.level_reserved, money, -hold.cost_pico, wall)
+            state.add_level_money(state.level_spent, money, cost_pico, wall)
 
 
 def charge_expired(
@@ -369,17 +523,19 @@ def charge_expired(
     used_tokens: int,
     cost_pico: int,
     now: float,
+    wall: float | None = None,
 ) -> None:
     """Bill a request whose lease expired before it settled. The expiry already gave the
     hold back (slot, tokens, reserved money) as if nothing was used; now take what was."""
     limits_by_scope = dict(policy.scopes(hold.model))
     for scope_key in hold.concurrency_scopes:
-        limits = limits_by_scope.get(scope_key, ScopeLimits())
-        scope = state.scope(scope_key, limits, now)
+        scope = state.held_scope(scope_key, limits_by_scope, now)
         if scope.tokens is not None:
             scope.tokens.take(used_tokens, now)
     for _, key in hold.period_keys:
         state.spent[key] = state.spent.get(key, 0) + cost_pico
+        for scope_key in hold.level_scopes:
+            state.add_level_money(state.level_spent, (scope_key, key), cost_pico, wall)
 
 
 def rate_limit_view(policy: TenantPolicy, state: TenantState, now: float) -> RateLimitView:
@@ -414,6 +570,10 @@ def requests_only(policy: TenantPolicy) -> TenantPolicy:
             {model: ScopeLimits(rpm=scope.rpm) for model, scope in policy.model_limits.items()}
         ),
         budgets=(),
+        levels=tuple(
+            replace(level, limits=ScopeLimits(rpm=level.limits.rpm), budgets=())
+            for level in policy.levels
+        ),
     )
 
 
@@ -434,4 +594,12 @@ def shadowed(policy: TenantPolicy) -> TenantPolicy:
             {model: _shadow_scope(scope) for model, scope in policy.model_limits.items()}
         ),
         budgets=tuple(replace(rule, shadow=True) for rule in policy.budgets),
+        levels=tuple(
+            replace(
+                level,
+                limits=_shadow_scope(level.limits),
+                budgets=tuple(replace(rule, shadow=True) for rule in level.budgets),
+            )
+            for level in policy.levels
+        ),
     )

@@ -143,6 +143,15 @@ class Decision:
     # The tenant's smallest remaining enforced budget, for the clamp and fallback actions.
     budget_left_pico: int | None = None
 
+    @property
+    def level_budget_refused(self) -> bool:
+        """An enforced budget of a level (team, user, key) is broken: the tenant's budget
+        action (clamp, fallback) does not apply; the request is refused."""
+        return any(
+            v.level is not None and v.reason is Reason.BUDGET_EXCEEDED and not v.shadow
+            for v in self.violations
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ActualUsage:

@@ -50,6 +50,8 @@ class TenantUsage:
     by_period_model: dict[tuple[str, str], UsageTotals] = field(default_factory=dict)
     spent_pico: dict[str, int] = field(default_factory=dict)
     reserved_pico: dict[str, int] = field(default_factory=dict)
+    # (level scope key "@team:research", period key) -> what that level spent in the period.
+    level_spent_pico: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class StateStore(Protocol):
@@ -124,6 +126,11 @@ class StateStore(Protocol):
         endpoint ``pool/IP:PORT``): what kvgate booked for what it sent each engine."""
         ...
 
-    async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage: ...
+    async def tenant_usage(
+        self, tenant: str, period_keys: Iterable[str], levels: Iterable[str] = ()
+    ) -> TenantUsage:
+        """The tenant's ledger for the periods; for each level scope key in `levels` ("@team:
+        research", `Level.scope_key`) also its spend per period (`level_spent_pico`)."""
+        ...
 
     async def close(self) -> None: ...

@@ -462,11 +462,13 @@ class FallbackStore:
             self._mark_down("usage", exc)
             raise
 
-    async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage:
+    async def tenant_usage(
+        self, tenant: str, period_keys: Iterable[str], levels: Iterable[str] = ()
+    ) -> TenantUsage:
         if not self._up:
             raise StoreUnavailable("the shared state store is unavailable", self._retry_after_s)
         try:
-            return await self._shared.tenant_usage(tenant, period_keys)
+            return await self._shared.tenant_usage(tenant, period_keys, levels)
         except StoreUnavailable as exc:
             self._mark_down("usage", exc)
             raise

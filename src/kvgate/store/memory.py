@@ -36,6 +36,8 @@ from kvgate.store.base import (
 
 # Expired leases are swept at most this often, on the admission path.
 _SWEEP_INTERVAL_S = 1.0
+# Idle level state (a JWT's users can be many) is pruned at most this often.
+LEVEL_PRUNE_INTERVAL_S = 60.0
 
 
 class MemoryStore:
@@ -75,6 +77,7 @@ class MemoryStore:
         self._ledger: dict[tuple[str, str, str], UsageTotals] = {}
         self._on_lease_expired = on_lease_expired
         self._next_sweep = 0.0
+        self._next_level_prune = 0.0
 
     def _backend(self, limits: BackendLimits) -> BackendLedger:
         ledger = self._backends.get(limits.name)
@@ -114,6 +117,16 @@ class MemoryStore:
             ended.append(key)
         for key in ended:
             del self._abandoned[key]
+        if now >= self._next_level_prune:
+            self._next_level_prune = now + LEVEL_PRUNE_INTERVAL_S
+            self.prune_idle_levels()
+
+    def prune_idle_levels(self) -> int:
+        """Forget every tenant's idle level state (full buckets, nothing in flight, money
+        untouched for long with nothing reserved): what a fresh level would hold anyway.
+        Runs on the sweep, at most every LEVEL_PRUNE_INTERVAL_S. Returns entries dropped."""
+        now, wall = self._clock.now(), self._clock.wall()
+        return sum(state.prune_idle_levels(now, wall) for state in self._tenants.values())
 
     def _drop_bill(self, reservation_id: str, reservation: Reservation) -> None:
         self._bills.pop(reservation_id, None)
@@ -125,7 +138,15 @@ class MemoryStore:
         """An expired lease frees its tenant slot and reservation; nothing is charged."""
         tenant = reservation.request.tenant
         policy = self._policies.get(tenant, TenantPolicy(name=tenant))
-        settle_tenant(policy, self._tenant(tenant), reservation, ActualUsage(0, 0), 0, now)
+        settle_tenant(
+            policy,
+            self._tenant(tenant),
+            reservation,
+            ActualUsage(0, 0),
+            0,
+            now,
+            wall=self._clock.wall(),
+        )
 
     async def reserve(
         self, request: AdmissionRequest, backend: BackendLimits, tenant: TenantPolicy
@@ -208,7 +229,7 @@ class MemoryStore:
         released = backend.release(reservation.reservation_id) if backend else None
         state = self._tenant(request.tenant)
         if released is not None:
-            settle_tenant(tenant, state, released, usage, cost_pico, now)
+            settle_tenant(tenant, state, released, usage, cost_pico, now, wall=self._clock.wall())
         elif billed.hold is not None:
             # The lease expired (capacity freed, hold given back): bill what was used.
             tenant_limits.charge_expired(
@@ -218,6 +239,7 @@ class MemoryStore:
                 used_tokens=usage.total_tokens,
                 cost_pico=cost_pico,
                 now=now,
+                wall=self._clock.wall(),
             )
         self._totals.setdefault((request.tenant, request.model), UsageTotals()).add(
             usage, cost_pico
@@ -270,6 +292,7 @@ class MemoryStore:
             cost_pico=0,
             now=now,
             refund_request=True,
+            wall=self._clock.wall(),
         )
 
     async def backend_status(self) -> list[BackendStatus]:
@@ -293,7 +316,9 @@ class MemoryStore:
     async def backend_totals(self) -> dict[str, UsageTotals]:
         return {key: replace(totals) for key, totals in self._backend_totals.items()}
 
-    async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage:
+    async def tenant_usage(
+        self, tenant: str, period_keys: Iterable[str], levels: Iterable[str] = ()
+    ) -> TenantUsage:
         keys = set(period_keys)
         state = self._tenant(tenant)
         return TenantUsage(
@@ -304,6 +329,11 @@ class MemoryStore:
             },
             spent_pico={key: state.spent.get(key, 0) for key in keys},
             reserved_pico={key: state.reserved.get(key, 0) for key in keys},
+            level_spent_pico={
+                (scope, key): state.level_spent.get((scope, key), 0)
+                for scope in set(levels)
+                for key in keys
+            },
         )
 
     async def close(self) -> None:

@@ -230,11 +230,27 @@ def _policy_rules(policy: TenantPolicy) -> str:
     """Every scope's rules of a tenant (what a sweep of its leases settles against)."""
     rules = [_rule(policy.limits, TENANT_SCOPE)]
     rules += [_rule(limits, model) for model, limits in sorted(policy.model_limits.items())]
+    rules += [_rule(level.limits, level.scope_key) for level in policy.levels]
     return json.dumps(rules, separators=(",", ":"))
 
 
+def _level_args(policy: TenantPolicy) -> dict[str, Any]:
+    """The caller's levels for the scripts: "lv" their scope keys (each holds the request's
+    money), "lb" their budgets [scope, period, cap, shadow] (always "block")."""
+    return {
+        "lv": list(policy.level_scope_keys()),
+        "lb": [
+            [level.scope_key, rule.period.value, str(rule.cap_pico), rule.shadow]
+            for level in policy.levels
+            for rule in level.budgets
+        ],
+    }
+
+
 def _tenant_state(
-    scopes: Sequence[tuple[str, ScopeLimits]], result: Mapping[str, Any]
+    scopes: Sequence[tuple[str, ScopeLimits]],
+    result: Mapping[str, Any],
+    levels: Sequence[str] = (),
 ) -> TenantState:
     """The tenant's state exactly as the script checked it (before any reservation)."""
     state = TenantState()
@@ -250,6 +266,12 @@ def _tenant_state(
     day, month = result["dk"], result["mk"]
     state.spent = {day: int(result["sp"][0]), month: int(result["sp"][1])}
     state.reserved = {day: int(result["rs"][0]), month: int(result["rs"][1])}
+    for scope_key, money in zip(levels, _list(result.get("lm")), strict=True):
+        spent_day, reserved_day, spent_month, reserved_month = (int(x) for x in money)
+        state.level_spent[(scope_key, day)] = spent_day
+        state.level_reserved[(scope_key, day)] = reserved_day
+        state.level_spent[(scope_key, month)] = spent_month
+        state.level_reserved[(scope_key, month)] = reserved_month
     return state
 
 
@@ -275,6 +297,7 @@ def _reservation_from_record(
         period_keys=((Period.DAY, rec["dk"]), (Period.MONTH, rec["mk"])),
         concurrency_scopes=tuple(rec["sc"] or ()),
         request_slot_taken=bool(rec.get("pre")),
+        level_scopes=tuple(_list(rec.get("lv"))),
     )
     return Reservation(
         reservation_id=reservation_id,
@@ -461,6 +484,7 @@ class RedisStore:
                 # taken again). "pre" is its name on the wire and in the stored record, read
                 # back by `_reservation_from_record` and the Lua scripts (`a.pre`, `rec.pre`).
                 "pre": request.request_slot_taken,
+                **_level_args(tenant),
             },
             _policy_rules(tenant),
         )
@@ -471,7 +495,7 @@ class RedisStore:
             request,
             backend=_BackendView(backend, result),
             policy=tenant,
-            state=_tenant_state(scopes, result),
+            state=_tenant_state(scopes, result, tenant.level_scope_keys()),
             reservation_id=reservation_id,
             now=float(result["now"]),
             wall=float(result["wall"]),
@@ -514,6 +538,7 @@ class RedisStore:
                 "cost": str(lower_bound.cost_pico),
                 "sc": [_rule(limits, key) for key, limits in scopes],
                 "bu": [[r.period.value, str(r.cap_pico), r.shadow] for r in tenant.budgets],
+                **_level_args(tenant),
             },
         )
         self._report_expired(result.get("exp"))
@@ -521,7 +546,7 @@ class RedisStore:
             lower_bound,
             backend=_BackendView(backend, result),
             policy=tenant,
-            state=_tenant_state(scopes, result),
+            state=_tenant_state(scopes, result, tenant.level_scope_keys()),
             now=float(result["now"]),
             wall=float(result["wall"]),
             take_request_slot=True,
@@ -601,6 +626,9 @@ class RedisStore:
                 "loc": local,
                 "keep": self._settled_id_retention_s,
                 "sc": [_rule(limits, key) for key, limits in tenant.scopes(model)],
+                # Levels whose spend a local admission books (`loc`); a Redis reservation's
+                # levels are in its billing record.
+                "lv": list(hold.level_scopes) if hold is not None else [],
             },
         )
         return Settlement(
@@ -698,17 +726,23 @@ class RedisStore:
             _add_field(totals.setdefault(backend, UsageTotals()), field, value)
         return totals
 
-    async def tenant_usage(self, tenant: str, period_keys: Iterable[str]) -> TenantUsage:
+    async def tenant_usage(
+        self, tenant: str, period_keys: Iterable[str], levels: Iterable[str] = ()
+    ) -> TenantUsage:
         keys = sorted(set(period_keys))
+        level_keys = sorted(set(levels))
         usage = TenantUsage()
         if not keys:
             return usage
+        level_arg = json.dumps(level_keys)
         rows = await self._bounded(
             "tenant_usage",
-            lambda: self._usage(keys=[self._route_key], args=[self._tag, tenant, *keys]),
+            lambda: self._usage(keys=[self._route_key], args=[self._tag, tenant, level_arg, *keys]),
         )
-        for key, spent, reserved, ledger in rows:
+        for key, spent, reserved, ledger, level_spent in rows:
             key = _text(key)
+            for scope_key, value in zip(level_keys, _list(level_spent), strict=True):
+                usage.level_spent_pico[(scope_key, key)] = int(_text(value))
             usage.spent_pico[key] = int(_text(spent))
             usage.reserved_pico[key] = int(_text(reserved))
             for name, value in zip(ledger[::2], ledger[1::2], strict=True):

@@ -171,11 +171,63 @@ end
 -- One hash per tenant: "<scope>|rl" etc. (r = requests bucket, t = tokens bucket:
 -- l level, u updated at, c capacity, r refill per s) and "<scope>|n" (in flight).
 -- The tenant-wide scope is "", a model scope is the model's name.
+--
+-- A level scope ("@team:research", "@user:bob", "@key:..."; policy/tenant.py Level) can be
+-- one of many (a JWT's users), so it has a hash of its own, "<p>:ls|<tenant>|<scope>" (same
+-- fields), which expires once idle: when its buckets would be full again, never while
+-- anything is in flight. A level's money per period is "<p>:lm|<tenant>|<scope>|<period>"
+-- (sp spent, rs reserved), kept LEVEL_KEEP seconds after its last change (as
+-- LEVEL_LEDGER_KEEP_S in policy/tenant.py): longer than a month, so a period's spend
+-- outlives the period.
+
+local LEVEL_KEEP = 3456000
+-- Seconds an idle level scope outlives the moment its buckets are full again.
+local LEVEL_IDLE_GRACE = 60
+
+local function is_level(s)
+  return string.sub(s, 1, 1) == '@'
+end
+
+local function scope_home(P, tenant, th, s)
+  if is_level(s) then
+    return P .. ':ls|' .. tenant .. '|' .. s
+  end
+  return th
+end
+
+local function level_money_key(P, tenant, s, period)
+  return P .. ':lm|' .. tenant .. '|' .. s .. '|' .. period
+end
+
+local function level_money_add(P, tenant, s, period, field, dh, dl, floor_zero)
+  local key = level_money_key(P, tenant, s, period)
+  local h, l = m_parse(redis.call('HGET', key, field))
+  h, l = m_add(h, l, dh, dl)
+  if floor_zero and h < 0 then
+    h, l = 0, 0
+  end
+  redis.call('HSET', key, field, m_str(h, l))
+  redis.call('EXPIRE', key, LEVEL_KEEP)
+end
+
+-- Seconds until a stored bucket is full again at `now`, without refilling it (the saved
+-- level must stay what the policy's code computes).
+local function seconds_to_full(b, now)
+  if not b then
+    return 0
+  end
+  local elapsed = math.max(0, now - b.at)
+  local missing = b.cap - math.min(b.cap, b.level + elapsed * b.rate)
+  if missing <= 0 then
+    return 0
+  end
+  return missing / b.rate
+end
 
 local function scope_load(h, s)
   local v = redis.call('HMGET', h, s .. '|rl', s .. '|ru', s .. '|rc', s .. '|rr',
     s .. '|tl', s .. '|tu', s .. '|tc', s .. '|tr', s .. '|n')
-  local sc = { key = s, n = tonumber(v[9]) or 0 }
+  local sc = { key = s, h = h, n = tonumber(v[9]) or 0 }
   if v[1] then
     sc.r = { level = tonumber(v[1]), at = tonumber(v[2]), cap = tonumber(v[3]), rate = tonumber(v[4]) }
   end
@@ -195,10 +247,18 @@ local function bucket_save(h, s, kind, b)
   end
 end
 
-local function scope_save(h, sc)
+local function scope_save(h, sc, now)
   bucket_save(h, sc.key, 'r', sc.r)
   bucket_save(h, sc.key, 't', sc.t)
   redis.call('HSET', h, sc.key .. '|n', sc.n)
+  if is_level(sc.key) then
+    if sc.n > 0 then
+      redis.call('PERSIST', h)
+    else
+      local idle = math.max(seconds_to_full(sc.r, now), seconds_to_full(sc.t, now))
+      redis.call('EXPIRE', h, math.ceil(idle) + LEVEL_IDLE_GRACE)
+    end
+  end
 end
 
 -- Saves every scope after a decision (refills and synced rules are kept either way, as the
@@ -218,13 +278,23 @@ local function scopes_save(h, scopes, now, take_request)
         refill(sc.t, now)
       end
     end
-    scope_save(h, sc)
+    scope_save(sc.h, sc, now)
   end
 end
 
 local function scope_sync(sc, lim, now)
   sc.r = sync(sc.r, lim.r, now)
   sc.t = sync(sc.t, lim.t, now)
+end
+
+-- Sync a scope a hold took from to the rules at hand: a level scope they do not name (a
+-- sweep or an abandon uses the tenant's last request's rules, whose caller may be another)
+-- keeps its buckets as stored (policy/tenant.py TenantState.held_scope).
+local function held_sync(sc, limits, now)
+  local lim = limits[sc.key]
+  if lim or not is_level(sc.key) then
+    scope_sync(sc, lim or {}, now)
+  end
 end
 
 -- ---------------------------------------------------------------- leases
@@ -266,8 +336,8 @@ local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now, re
     limits = last_limits(h)
   end
   for _, s in ipairs(rec.sc) do
-    local sc = scope_load(h, s)
-    scope_sync(sc, limits[s] or {}, now)
+    local sc = scope_load(scope_home(P, rec.t, h, s), s)
+    held_sync(sc, limits, now)
     sc.n = math.max(0, sc.n - 1)
     -- A request the pre-check took (rec.pre) stays taken: the request was made.
     if refund_request and sc.r and not rec.pre then
@@ -276,7 +346,7 @@ local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now, re
     if sc.t then
       give_back(sc.t, rec.tk - used_tokens, now)
     end
-    scope_save(h, sc)
+    scope_save(sc.h, sc, now)
   end
   local hold_h, hold_l = m_parse(rec.cost)
   for _, key in ipairs({ rec.dk, rec.mk }) do
@@ -287,6 +357,10 @@ local function release_hold(P, rec, used_tokens, cost_h, cost_l, limits, now, re
     end
     redis.call('HSET', h, 'rs|' .. key, m_str(rh, rl))
     hmoney_add(h, 'sp|' .. key, cost_h, cost_l)
+    for _, s in ipairs(rec.lv or {}) do
+      level_money_add(P, rec.t, s, key, 'rs', -hold_h, -hold_l, true)
+      level_money_add(P, rec.t, s, key, 'sp', cost_h, cost_l, false)
+    end
   end
 end
 
@@ -295,15 +369,18 @@ end
 local function charge_expired(P, rec, used_tokens, cost_h, cost_l, limits, now)
   local h = tenant_key(P, rec.t)
   for _, s in ipairs(rec.sc) do
-    local sc = scope_load(h, s)
-    scope_sync(sc, limits[s] or {}, now)
+    local sc = scope_load(scope_home(P, rec.t, h, s), s)
+    held_sync(sc, limits, now)
     if sc.t then
       take(sc.t, used_tokens, now)
     end
-    scope_save(h, sc)
+    scope_save(sc.h, sc, now)
   end
   for _, key in ipairs({ rec.dk, rec.mk }) do
     hmoney_add(h, 'sp|' .. key, cost_h, cost_l)
+    for _, s in ipairs(rec.lv or {}) do
+      level_money_add(P, rec.t, s, key, 'sp', cost_h, cost_l, false)
+    end
   end
 end
 
@@ -313,17 +390,20 @@ local function retake_hold(P, rec, now)
   local h = tenant_key(P, rec.t)
   local limits = last_limits(h)
   for _, s in ipairs(rec.sc) do
-    local sc = scope_load(h, s)
-    scope_sync(sc, limits[s] or {}, now)
+    local sc = scope_load(scope_home(P, rec.t, h, s), s)
+    held_sync(sc, limits, now)
     sc.n = sc.n + 1
     if sc.t then
       take(sc.t, rec.tk, now)
     end
-    scope_save(h, sc)
+    scope_save(sc.h, sc, now)
   end
   local cost_h, cost_l = m_parse(rec.cost)
   for _, key in ipairs({ rec.dk, rec.mk }) do
     hmoney_add(h, 'rs|' .. key, cost_h, cost_l)
+    for _, s in ipairs(rec.lv or {}) do
+      level_money_add(P, rec.t, s, key, 'rs', cost_h, cost_l, false)
+    end
   end
 end
 
@@ -395,11 +475,11 @@ end
 -- when the policy's code would) and records in `out` the state checked, before any refill:
 -- `sc` per scope, `sp`/`rs` money spent and reserved per period. Returns whether an enforced
 -- limit is broken, whether tenant concurrency is, the loaded scopes and the money as pairs.
-local function tenant_check(th, a, now, dk, mk, out)
+local function tenant_check(P, th, a, now, dk, mk, out)
   local enforced, conc_hit = false, false
   local scopes, snap = {}, {}
   for i, lim in ipairs(a.sc) do
-    local sc = scope_load(th, lim.k)
+    local sc = scope_load(scope_home(P, a.t, th, lim.k), lim.k)
     scope_sync(sc, lim, now)
     local s = { n = sc.n }
     if sc.r then
@@ -443,6 +523,34 @@ local function tenant_check(th, a, now, dk, mk, out)
         lh, ll = m_sub(cap_h, cap_l, m.sp_mh, m.sp_ml)
         lh, ll = m_sub(lh, ll, m.rs_mh, m.rs_ml)
       end
+      if m_gt(m.cost_h, m.cost_l, lh, ll) then
+        enforced = true
+      end
+    end
+  end
+
+  -- Each level's money (a.lv: its scope keys) and budgets (a.lb: [scope, period, cap,
+  -- shadow]), always "block"; `out.lm` per level: spent and reserved, day then month.
+  local lm = {}
+  out.lm = {}
+  for i, s in ipairs(a.lv or {}) do
+    local d = redis.call('HMGET', level_money_key(P, a.t, s, dk), 'sp', 'rs')
+    local mo = redis.call('HMGET', level_money_key(P, a.t, s, mk), 'sp', 'rs')
+    out.lm[i] = { d[1] or '0', d[2] or '0', mo[1] or '0', mo[2] or '0' }
+    lm[s] = out.lm[i]
+  end
+  for _, rule in ipairs(a.lb or {}) do
+    if not rule[4] then
+      local money = lm[rule[1]]
+      local sp, rs = money[1], money[2]
+      if rule[2] ~= 'day' then
+        sp, rs = money[3], money[4]
+      end
+      local lh, ll = m_parse(rule[3])
+      local sh, sl = m_parse(sp)
+      local rh, rl = m_parse(rs)
+      lh, ll = m_sub(lh, ll, sh, sl)
+      lh, ll = m_sub(lh, ll, rh, rl)
       if m_gt(m.cost_h, m.cost_l, lh, ll) then
         enforced = true
       end

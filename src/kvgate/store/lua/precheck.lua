@@ -14,7 +14,7 @@ local expired = sweep(P, now, 100)
 local dk, mk = period_keys(wall)
 local th = tenant_key(P, a.t)
 local out = { now = num(now), wall = num(wall), dk = dk, mk = mk, exp = expired }
-local enforced, conc_hit, scopes = tenant_check(th, a, now, dk, mk, out)
+local enforced, conc_hit, scopes = tenant_check(P, th, a, now, dk, mk, out)
 
 -- The backend is only read: the in-flight counts and, for a tenant concurrency
 -- rejection, when the tenant's own work is expected to free a slot.

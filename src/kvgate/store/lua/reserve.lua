@@ -26,7 +26,7 @@ local out = { now = num(now), wall = num(wall), dk = dk, mk = mk, exp = expired 
 -- the memory store does, and so does this script (a refill at `now` happens when the
 -- policy's would), so both keep bit-identical levels. With `a.pre` the pre-check took the
 -- RPM request: it is not taken again (and only a debt counts as over RPM).
-local enforced, conc_hit, scopes, money = tenant_check(th, a, now, dk, mk, out)
+local enforced, conc_hit, scopes, money = tenant_check(P, th, a, now, dk, mk, out)
 
 -- The backend: KV in flight (whole blocks) and concurrency.
 local bk = P .. ':b|' .. a.b
@@ -65,6 +65,11 @@ if admitted then
   local rs_dh, rs_dl = m_add(money.rs_dh, money.rs_dl, money.cost_h, money.cost_l)
   local rs_mh, rs_ml = m_add(money.rs_mh, money.rs_ml, money.cost_h, money.cost_l)
   redis.call('HSET', th, 'rs|' .. dk, m_str(rs_dh, rs_dl), 'rs|' .. mk, m_str(rs_mh, rs_ml))
+  -- Every level of the caller holds the cost too (its ledger, budget or not).
+  for _, s in ipairs(a.lv or {}) do
+    level_money_add(P, a.t, s, dk, 'rs', money.cost_h, money.cost_l, false)
+    level_money_add(P, a.t, s, mk, 'rs', money.cost_h, money.cost_l, false)
+  end
   redis.call('HINCRBY', bk, 'kv', a.kv)
   redis.call('HINCRBY', bk, 'n', 1)
   local keys = {}
@@ -74,6 +79,8 @@ if admitted then
   local rec = rec_encode({
     rid = a.rid, t = a.t, m = a.m, p = a.p, x = a.x, c = a.c, cost = a.cost, kv = a.kv,
     s = num(now), tk = a.tk, sc = keys, dk = dk, mk = mk, b = a.b,
+    -- the caller's level scopes, whose money this request holds
+    lv = (a.lv and #a.lv > 0) and a.lv or nil,
     -- the pre-check took the RPM request: an abandon does not give it back
     pre = a.pre or nil,
   })

@@ -63,6 +63,10 @@ elseif a.loc and not redis.call('ZSCORE', done, a.id) then
   local h = tenant_key(P, a.t)
   hmoney_add(h, 'sp|' .. a.dk, cost_h, cost_l)
   hmoney_add(h, 'sp|' .. a.mk, cost_h, cost_l)
+  for _, s in ipairs(a.lv or {}) do
+    level_money_add(P, a.t, s, a.dk, 'sp', cost_h, cost_l, false)
+    level_money_add(P, a.t, s, a.mk, 'sp', cost_h, cost_l, false)
+  end
   -- Remembered for `keep` seconds: a redelivery (its first attempt timed out after landing)
   -- within that window applies nothing.
   redis.call('ZADD', done, num(now), a.id)
