@@ -43,6 +43,7 @@ from kvgate.config import KvgateConfig, SnapshotHolder, compile_snapshot
 from kvgate.config.secrets import redis_passwords, url_has_password
 from kvgate.extproc import ExternalProcessor, GatewayServices
 from kvgate.extproc.handoff import HandoffRegistry
+from kvgate.keys.building import build_key_directory
 from kvgate.lifecycle import BackgroundTasks, LeaseKeeper, Settler
 from kvgate.lifecycle.answer_sources import AnswerSource
 from kvgate.lifecycle.idempotency import IdempotencySource, TenantWaiters
@@ -143,7 +144,10 @@ class KvgateServer:
             config.response_cache.memory_max_bytes
         )
         self._semantic_entries: EntryLog = MemoryEntryLog(config.semantic_cache.memory_max_bytes)
+        self._redis_store: RedisStore | None = None  # the state store's Redis, if any
         self.store: StateStore = self._build_store(config)
+        # API keys as data (None: keys.store off); on the state store's Redis when it has one.
+        self.keys = build_key_directory(config, redis_store=self._redis_store)
         # Built at start when on (WordLlama loads its weights here): a change needs a restart.
         self.semantic_cache: SemanticCache | None = (
             build_semantic_cache(
@@ -203,6 +207,7 @@ class KvgateServer:
             ),
             scheduler=self.scheduler,
             answer_sources=self._answer_sources(tasks),
+            keys=self.keys,
         )
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -264,6 +269,7 @@ class KvgateServer:
         shared = RedisStore.from_settings(
             settings, lease_ttl_s=config.server.lease_ttl_s, on_lease_expired=self._lease_expired
         )
+        self._redis_store = shared
         # Idempotency keys live beside the ledgers, under the same hash tag.
         self._idempotency_store = RedisAnswerStore(
             shared.client,
@@ -353,6 +359,8 @@ class KvgateServer:
         if self.usage_records is not None:
             self.usage_records.start()
         await self.reconciler.start()
+        if self.keys is not None:
+            await self.keys.start()  # loads nothing: lookups fill its cache
         for backend in self.snapshots.current.backends.values():
             self.metrics.kv_budget_tokens.labels(backend.name).set(backend.kv_budget_tokens)
             self.metrics.kv_tokens_in_flight.labels(backend.name).set(0)
@@ -569,6 +577,8 @@ class KvgateServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
         await self.services.drain(timeout_s=10.0)
+        if self.keys is not None:
+            await self.keys.close()  # before the store: it may share its Redis client
         if self.usage_records is not None:
             # The drained settlements' records: to the spool, and to the sink if it answers.
             await self.usage_records.close()

@@ -1,4 +1,5 @@
-"""`kvgate usage`, `kvgate backends`, `kvgate reload`: a small client of the admin API.
+"""`kvgate usage`, `kvgate backends`, `kvgate reload`, `kvgate keys ...`: a small client of
+the admin API.
 
 The operator token (when kvgate has one) comes from `--token-file` or the environment variable
 KVGATE_ADMIN_TOKEN, never from the command line (it would show in `ps` and shell history).
@@ -12,7 +13,9 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +144,8 @@ def run_admin_command(args: argparse.Namespace) -> int:
         return asyncio.run(_call(args.admin, method, request, args.timeout, token, tls))
 
     try:
+        if args.admin_command == "keys":
+            return _run_keys(args, call)
         if args.admin_command == "usage":
             if args.tenant:
                 request: Any = admin_pb2.GetTenantUsageRequest(tenant=args.tenant)
@@ -241,6 +246,37 @@ def _print_reconciliation(reply: admin_pb2.ReconcileResponse) -> None:
         print("(no engine is scraped: give backends `discovery.metrics_url`)")
 
 
+def _add_connection_arguments(command: argparse.ArgumentParser) -> None:
+    """--admin, --timeout, --token-file and the TLS flags: every admin command's."""
+    command.add_argument("--admin", default="127.0.0.1:50052", help="admin API address")
+    command.add_argument("--timeout", type=float, default=5.0)
+    command.add_argument(
+        "--token-file",
+        help=f"file holding the operator token (default: ${TOKEN_ENV}, else no token)",
+    )
+    tls = command.add_argument_group(
+        "TLS", "for an admin listener with server.operator_tls; any of these turns TLS on"
+    )
+    tls.add_argument(
+        "--tls-ca",
+        help="CA certificate(s) that signed kvgate's certificate, PEM "
+        f"(default: ${TLS_ENV['tls_ca']}, else the system's CAs)",
+    )
+    tls.add_argument(
+        "--tls-cert",
+        help=f"client certificate for mutual TLS, PEM (default: ${TLS_ENV['tls_cert']})",
+    )
+    tls.add_argument(
+        "--tls-key",
+        help=f"its private key, PEM (default: ${TLS_ENV['tls_key']})",
+    )
+    tls.add_argument(
+        "--tls-server-name",
+        help="the name kvgate's certificate must carry, when it is not the --admin host "
+        f"(e.g. through a port-forward; default: ${TLS_ENV['tls_server_name']})",
+    )
+
+
 def add_admin_commands(subparsers: Any) -> None:
     for name, help_text in (
         ("usage", "tenant usage and remaining budget"),
@@ -249,35 +285,186 @@ def add_admin_commands(subparsers: Any) -> None:
         ("reconcile", "tokens booked per engine against the engines' own counters"),
     ):
         command = subparsers.add_parser(name, help=help_text)
-        command.add_argument("--admin", default="127.0.0.1:50052", help="admin API address")
-        command.add_argument("--timeout", type=float, default=5.0)
-        command.add_argument(
-            "--token-file",
-            help=f"file holding the operator token (default: ${TOKEN_ENV}, else no token)",
-        )
-        tls = command.add_argument_group(
-            "TLS", "for an admin listener with server.operator_tls; any of these turns TLS on"
-        )
-        tls.add_argument(
-            "--tls-ca",
-            help="CA certificate(s) that signed kvgate's certificate, PEM "
-            f"(default: ${TLS_ENV['tls_ca']}, else the system's CAs)",
-        )
-        tls.add_argument(
-            "--tls-cert",
-            help=f"client certificate for mutual TLS, PEM (default: ${TLS_ENV['tls_cert']})",
-        )
-        tls.add_argument(
-            "--tls-key",
-            help=f"its private key, PEM (default: ${TLS_ENV['tls_key']})",
-        )
-        tls.add_argument(
-            "--tls-server-name",
-            help="the name kvgate's certificate must carry, when it is not the --admin host "
-            f"(e.g. through a port-forward; default: ${TLS_ENV['tls_server_name']})",
-        )
+        _add_connection_arguments(command)
         if name != "reload":
             command.add_argument("--json", action="store_true")
         if name == "usage":
             command.add_argument("--tenant", help="one tenant (default: all)")
         command.set_defaults(func=run_admin_command, admin_command=name)
+    _add_keys_command(subparsers)
+
+
+# --------------------------------------------------------------------------- kvgate keys
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration_s(text: str) -> float:
+    """ "90", "90s", "15m", "12h", "30d", "2w" -> seconds."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 12h, 30d")
+    return float(match[1]) * _SECONDS[match[2]]
+
+
+def _label(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
+def _when(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_s))
+
+
+def _key_dict(key: admin_pb2.ApiKey) -> dict[str, Any]:
+    return MessageToDict(key, preserving_proto_field_name=True)
+
+
+def _print_key(key: admin_pb2.ApiKey) -> None:
+    rows = [
+        ("key_id", key.key_id),
+        ("state", key.state),
+        ("tenant", key.tenant),
+        ("team", key.team if key.HasField("team") else "-"),
+        ("user", key.user if key.HasField("user") else "-"),
+        ("labels", ", ".join(f"{k}={v}" for k, v in sorted(key.labels.items())) or "-"),
+        ("created", _when(key.created_at_unix_s)),
+        ("expires", _when(key.expires_at_unix_s) if key.HasField("expires_at_unix_s") else "-"),
+        ("revoked", _when(key.revoked_at_unix_s) if key.HasField("revoked_at_unix_s") else "-"),
+        ("limits", key.limits_json or "-"),
+    ]
+    for name, value in rows:
+        print(f"{name:<8} {value}")
+
+
+def _print_key_table(keys: list[admin_pb2.ApiKey]) -> None:
+    print(f"{'KEY ID':<21} {'STATE':<8} {'TENANT':<16} {'TEAM':<12} {'USER':<12} EXPIRES")
+    for key in keys:
+        expires = _when(key.expires_at_unix_s) if key.HasField("expires_at_unix_s") else "-"
+        print(
+            f"{key.key_id:<21} {key.state:<8} {key.tenant:<16} "
+            f"{key.team if key.HasField('team') else '-':<12} "
+            f"{key.user if key.HasField('user') else '-':<12} {expires}"
+        )
+
+
+def _created(reply: admin_pb2.CreatedKey, verb: str, as_json: bool) -> None:
+    """The secret, shown this once: alone on stdout (one line a script can capture), or
+    with the key in --json; what was done goes to stderr."""
+    if as_json:
+        print(json.dumps({"secret": reply.secret, "key": _key_dict(reply.key)}, indent=2))
+    else:
+        print(reply.secret)
+    print(
+        f"{verb} {reply.key.key_id} for tenant {reply.key.tenant}: the key above is shown "
+        "only this once",
+        file=sys.stderr,
+    )
+
+
+def _run_keys(args: argparse.Namespace, call: Callable[[str, Any], Any]) -> int:
+    command = args.keys_command
+    if command == "create":
+        limits = args.limits or ""
+        if args.models:
+            try:
+                level = json.loads(limits) if limits else {}
+            except ValueError as exc:
+                print(f"--limits: {exc}", file=sys.stderr)
+                return 2
+            if not isinstance(level, dict):
+                print("--limits: a JSON object", file=sys.stderr)
+                return 2
+            level["models"] = [m for m in args.models.split(",") if m]
+            limits = json.dumps(level)
+        request = admin_pb2.CreateKeyRequest(
+            tenant=args.tenant,
+            team=args.team,
+            user=args.user,
+            labels=dict(args.label or ()),
+            ttl_s=args.expires_in,
+            expires_at_unix_s=args.expires_at,
+            limits_json=limits,
+        )
+        _created(call("CreateKey", request), "created", args.json)
+    elif command == "rotate":
+        rotation = admin_pb2.RotateKeyRequest(key_id=args.key_id, grace_s=args.grace)
+        _created(call("RotateKey", rotation), "rotated to", args.json)
+    elif command in ("show", "revoke"):
+        if command == "show":
+            key = call("GetKey", admin_pb2.GetKeyRequest(key_id=args.key_id))
+        else:
+            key = call("RevokeKey", admin_pb2.RevokeKeyRequest(key_id=args.key_id))
+        if args.json:
+            print(json.dumps(_key_dict(key), indent=2))
+        else:
+            _print_key(key)
+    else:
+        keys: list[admin_pb2.ApiKey] = []
+        token = args.page_token or ""
+        while True:
+            reply = call(
+                "ListKeys",
+                admin_pb2.ListKeysRequest(
+                    tenant=args.tenant or "", page_size=args.page_size, page_token=token
+                ),
+            )
+            keys += reply.keys
+            token = reply.next_page_token
+            if not token or not args.all:
+                break
+        if args.json:
+            listing: dict[str, Any] = {"keys": [_key_dict(key) for key in keys]}
+            if token:
+                listing["next_page_token"] = token
+            print(json.dumps(listing, indent=2))
+        else:
+            _print_key_table(keys)
+            if token:
+                print(f"(more: --page-token {token}, or --all)", file=sys.stderr)
+    return 0
+
+
+def _add_keys_command(subparsers: Any) -> None:
+    keys = subparsers.add_parser("keys", help="API keys: create, list, show, revoke, rotate")
+    actions = keys.add_subparsers(dest="keys_command", required=True)
+    create = actions.add_parser("create", help="make a key; prints it once, on stdout")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--team")
+    create.add_argument("--user")
+    create.add_argument(
+        "--label", action="append", type=_label, metavar="NAME=VALUE", help="repeatable"
+    )
+    expiry = create.add_mutually_exclusive_group()
+    expiry.add_argument("--expires-in", type=duration_s, metavar="DURATION", help="e.g. 30d")
+    expiry.add_argument("--expires-at", type=float, metavar="UNIX_SECONDS")
+    create.add_argument(
+        "--limits",
+        metavar="JSON",
+        help='the key\'s own limits, budget, models, e.g. \'{"limits": {"rpm": 60}}\'',
+    )
+    create.add_argument("--models", help="comma-separated models the key may use")
+    listing = actions.add_parser("list", help="keys, a page at a time, ordered by key id")
+    listing.add_argument("--tenant", help="one tenant (default: all)")
+    listing.add_argument("--page-size", type=int, default=100)
+    listing.add_argument("--page-token")
+    listing.add_argument("--all", action="store_true", help="every page")
+    rotate = actions.add_parser("rotate", help="a new key in its place; prints it once")
+    rotate.add_argument("key_id")
+    rotate.add_argument(
+        "--grace",
+        type=duration_s,
+        default=0.0,
+        metavar="DURATION",
+        help="how long the old key keeps working (default: 0, revoked at once)",
+    )
+    for name, help_text in (("show", "one key"), ("revoke", "refuse a key from now on")):
+        action = actions.add_parser(name, help=help_text)
+        action.add_argument("key_id")
+    for action in actions.choices.values():
+        _add_connection_arguments(action)
+        action.add_argument("--json", action="store_true")
+    keys.set_defaults(func=run_admin_command, admin_command="keys")

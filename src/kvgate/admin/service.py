@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import re
+import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
+import pydantic
 
 from kvgate.admin.v1 import admin_pb2, admin_pb2_grpc
 from kvgate.capacity.pools import PoolRegistry
 from kvgate.capacity.reconcile import Reconciler
 from kvgate.config import SnapshotHolder
+from kvgate.config.model import LevelConfig
 from kvgate.extproc.services import GatewayServices
+from kvgate.keys import KeyDirectory, KeyRecord
 from kvgate.lifecycle.usage_report import tenant_usage_report
 from kvgate.policy import BackendLimits, BackendStatus
 from kvgate.reload import ConfigReloader
@@ -22,6 +29,8 @@ from kvgate.usage_records.paging import BadPageToken, page_size, page_token, rea
 
 # A page read from the sink; past it the call answers UNAVAILABLE.
 RECORDS_READ_TIMEOUT_S = 10.0
+# A key id as the directory makes them (also the page token of ListKeys: the last id).
+KEY_ID = re.compile(r"^key_[0-9a-f]{16}$")
 
 
 def _period(entry: dict[str, Any]) -> admin_pb2.PeriodUsage:
@@ -95,6 +104,26 @@ def usage_record_message(record: UsageRecord) -> admin_pb2.UsageRecord:
         team_id=record.team_id,
         user_id=record.user_id,
         key_id=record.key_id,
+    )
+
+
+def api_key_message(record: KeyRecord, now: float) -> admin_pb2.ApiKey:
+    refusal = record.refusal(now)
+    return admin_pb2.ApiKey(
+        key_id=record.key_id,
+        tenant=record.tenant,
+        team=record.team,
+        user=record.user,
+        labels=dict(record.labels),
+        created_at_unix_s=record.created_at,
+        expires_at_unix_s=record.expires_at,
+        revoked_at_unix_s=record.revoked_at,
+        limits_json=(
+            json.dumps(record.limits.model_dump(mode="json", exclude_defaults=True))
+            if record.limits is not None
+            else ""
+        ),
+        state=refusal.value if refusal is not None else "active",
     )
 
 
@@ -277,4 +306,163 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             applied=applied,
             error=self._reloader.last_error or "",
             generation=self._reloader.generation,
+        )
+
+    # ------------------------------------------------------------------ API keys
+
+    async def _keys(self, context: grpc.aio.ServicerContext[Any, Any]) -> KeyDirectory:
+        keys = self._services.keys
+        if keys is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "keys.store is off")
+        assert keys is not None
+        return keys
+
+    async def _key_id(self, key_id: str, context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        if not KEY_ID.match(key_id):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "key_id must be 'key_' and 16 hex digits"
+            )
+        return key_id
+
+    async def _unavailable(
+        self, context: grpc.aio.ServicerContext[Any, Any], exc: Exception
+    ) -> NoReturn:
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"the key store cannot answer: {type(exc).__name__}"
+        )
+        raise AssertionError("abort raises")
+
+    async def _key_limits(
+        self, limits_json: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> LevelConfig | None:
+        if not limits_json:
+            return None
+        try:
+            limits = LevelConfig.model_validate(json.loads(limits_json))
+        except (ValueError, pydantic.ValidationError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"limits_json: {exc}")
+        models = self._snapshots.current.models
+        unknown = sorted(set(limits.models or ()) - set(models))
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"limits_json: models {unknown} are not configured models",
+            )
+        return limits
+
+    async def CreateKey(
+        self,
+        request: admin_pb2.CreateKeyRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.CreateKeyRequest, admin_pb2.CreatedKey],
+    ) -> admin_pb2.CreatedKey:
+        keys = await self._keys(context)
+        if request.tenant not in self._snapshots.current.tenants:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tenant '{request.tenant}'")
+        now = time.time()
+        expires_at: float | None = None
+        if request.HasField("expires_at_unix_s") and request.HasField("ttl_s"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "give expires_at_unix_s or ttl_s, not both"
+            )
+        if request.HasField("ttl_s"):
+            expires_at = now + request.ttl_s
+        elif request.HasField("expires_at_unix_s"):
+            expires_at = request.expires_at_unix_s
+        if expires_at is not None and (not math.isfinite(expires_at) or expires_at <= now):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the expiry is not in the future")
+        limits = await self._key_limits(request.limits_json, context)
+        try:
+            made = await keys.create(
+                request.tenant,
+                team=request.team if request.HasField("team") else None,
+                user=request.user if request.HasField("user") else None,
+                labels=dict(request.labels),
+                expires_at=expires_at,
+                limits=limits,
+            )
+        except Exception as exc:  # the store's own errors, whatever the store
+            await self._unavailable(context, exc)
+        return admin_pb2.CreatedKey(secret=made.secret, key=api_key_message(made.record, now))
+
+    async def GetKey(
+        self,
+        request: admin_pb2.GetKeyRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.GetKeyRequest, admin_pb2.ApiKey],
+    ) -> admin_pb2.ApiKey:
+        keys = await self._keys(context)
+        key_id = await self._key_id(request.key_id, context)
+        try:
+            record = await keys.get(key_id)
+        except Exception as exc:
+            await self._unavailable(context, exc)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no key '{key_id}'")
+        assert record is not None
+        return api_key_message(record, time.time())
+
+    async def ListKeys(
+        self,
+        request: admin_pb2.ListKeysRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.ListKeysRequest, admin_pb2.ListKeysResponse],
+    ) -> admin_pb2.ListKeysResponse:
+        keys = await self._keys(context)
+        try:
+            size = page_size(request.page_size)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.page_token and not KEY_ID.match(request.page_token):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server gave"
+            )
+        try:
+            found = await keys.list(
+                tenant=request.tenant or None,
+                after_key_id=request.page_token,
+                limit=size + 1,  # one more: whether another page follows
+            )
+        except Exception as exc:
+            await self._unavailable(context, exc)
+        page = list(found[:size])
+        now = time.time()
+        return admin_pb2.ListKeysResponse(
+            keys=[api_key_message(record, now) for record in page],
+            next_page_token=page[-1].key_id if len(found) > size else "",
+        )
+
+    async def RevokeKey(
+        self,
+        request: admin_pb2.RevokeKeyRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.RevokeKeyRequest, admin_pb2.ApiKey],
+    ) -> admin_pb2.ApiKey:
+        keys = await self._keys(context)
+        key_id = await self._key_id(request.key_id, context)
+        try:
+            record = await keys.revoke(key_id)
+        except Exception as exc:
+            await self._unavailable(context, exc)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no key '{key_id}'")
+        assert record is not None
+        return api_key_message(record, time.time())
+
+    async def RotateKey(
+        self,
+        request: admin_pb2.RotateKeyRequest,
+        context: grpc.aio.ServicerContext[admin_pb2.RotateKeyRequest, admin_pb2.CreatedKey],
+    ) -> admin_pb2.CreatedKey:
+        keys = await self._keys(context)
+        key_id = await self._key_id(request.key_id, context)
+        if not math.isfinite(request.grace_s) or request.grace_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grace_s must be 0 or more")
+        try:
+            made = await keys.rotate(key_id, grace_s=request.grace_s)
+        except Exception as exc:
+            await self._unavailable(context, exc)
+        if made is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no key '{key_id}' that is not revoked already"
+            )
+        assert made is not None
+        return admin_pb2.CreatedKey(
+            secret=made.secret, key=api_key_message(made.record, time.time())
         )

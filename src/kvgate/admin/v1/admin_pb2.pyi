@@ -261,3 +261,105 @@ class ListUsageRecordsResponse(_message.Message):
     records: _containers.RepeatedCompositeFieldContainer[UsageRecord]
     next_page_token: str
     def __init__(self, records: _Optional[_Iterable[_Union[UsageRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ApiKey(_message.Message):
+    __slots__ = ("key_id", "tenant", "team", "user", "labels", "created_at_unix_s", "expires_at_unix_s", "revoked_at_unix_s", "limits_json", "state")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    tenant: str
+    team: str
+    user: str
+    labels: _containers.ScalarMap[str, str]
+    created_at_unix_s: float
+    expires_at_unix_s: float
+    revoked_at_unix_s: float
+    limits_json: str
+    state: str
+    def __init__(self, key_id: _Optional[str] = ..., tenant: _Optional[str] = ..., team: _Optional[str] = ..., user: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_s: _Optional[float] = ..., expires_at_unix_s: _Optional[float] = ..., revoked_at_unix_s: _Optional[float] = ..., limits_json: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class CreatedKey(_message.Message):
+    __slots__ = ("secret", "key")
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    key: ApiKey
+    def __init__(self, secret: _Optional[str] = ..., key: _Optional[_Union[ApiKey, _Mapping]] = ...) -> None: ...
+
+class CreateKeyRequest(_message.Message):
+    __slots__ = ("tenant", "team", "user", "labels", "expires_at_unix_s", "ttl_s", "limits_json")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_JSON_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    team: str
+    user: str
+    labels: _containers.ScalarMap[str, str]
+    expires_at_unix_s: float
+    ttl_s: float
+    limits_json: str
+    def __init__(self, tenant: _Optional[str] = ..., team: _Optional[str] = ..., user: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., expires_at_unix_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., limits_json: _Optional[str] = ...) -> None: ...
+
+class GetKeyRequest(_message.Message):
+    __slots__ = ("key_id",)
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    def __init__(self, key_id: _Optional[str] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ("tenant", "page_size", "page_token")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    page_size: int
+    page_token: str
+    def __init__(self, tenant: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListKeysResponse(_message.Message):
+    __slots__ = ("keys", "next_page_token")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[ApiKey]
+    next_page_token: str
+    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class RevokeKeyRequest(_message.Message):
+    __slots__ = ("key_id",)
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    def __init__(self, key_id: _Optional[str] = ...) -> None: ...
+
+class RotateKeyRequest(_message.Message):
+    __slots__ = ("key_id", "grace_s")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    grace_s: float
+    def __init__(self, key_id: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...

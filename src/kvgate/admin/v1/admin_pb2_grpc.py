@@ -64,6 +64,31 @@ class AdminStub:
                 request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsRequest.SerializeToString,
                 response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsResponse.FromString,
                 _registered_method=True)
+        self.CreateKey = channel.unary_unary(
+                '/kvgate.admin.v1.Admin/CreateKey',
+                request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.CreateKeyRequest.SerializeToString,
+                response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.CreatedKey.FromString,
+                _registered_method=True)
+        self.GetKey = channel.unary_unary(
+                '/kvgate.admin.v1.Admin/GetKey',
+                request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.GetKeyRequest.SerializeToString,
+                response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+                _registered_method=True)
+        self.ListKeys = channel.unary_unary(
+                '/kvgate.admin.v1.Admin/ListKeys',
+                request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListKeysRequest.SerializeToString,
+                response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeKey = channel.unary_unary(
+                '/kvgate.admin.v1.Admin/RevokeKey',
+                request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.RevokeKeyRequest.SerializeToString,
+                response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+                _registered_method=True)
+        self.RotateKey = channel.unary_unary(
+                '/kvgate.admin.v1.Admin/RotateKey',
+                request_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.RotateKeyRequest.SerializeToString,
+                response_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.CreatedKey.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -112,6 +137,41 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateKey(self, request, context):
+        """API keys (docs/keys.md); FAILED_PRECONDITION when keys.store is off. The secret is in
+        the answers of CreateKey and RotateKey only: it is never stored, only its SHA-256.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeKey(self, request, context):
+        """Revoked at once (every replica within keys.refresh_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateKey(self, request, context):
+        """A new key with the old one's tenant, team, user, labels, expiry and limits; the old one
+        keeps working for grace_s, then is revoked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +204,31 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListUsageRecords,
                     request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsRequest.FromString,
                     response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsResponse.SerializeToString,
+            ),
+            'CreateKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateKey,
+                    request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.CreateKeyRequest.FromString,
+                    response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.CreatedKey.SerializeToString,
+            ),
+            'GetKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKey,
+                    request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.GetKeyRequest.FromString,
+                    response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ApiKey.SerializeToString,
+            ),
+            'ListKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKeys,
+                    request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListKeysRequest.FromString,
+                    response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ListKeysResponse.SerializeToString,
+            ),
+            'RevokeKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeKey,
+                    request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.RevokeKeyRequest.FromString,
+                    response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.ApiKey.SerializeToString,
+            ),
+            'RotateKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateKey,
+                    request_deserializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.RotateKeyRequest.FromString,
+                    response_serializer=kvgate_dot_admin_dot_v1_dot_admin__pb2.CreatedKey.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +393,141 @@ class Admin:
             '/kvgate.admin.v1.Admin/ListUsageRecords',
             kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsRequest.SerializeToString,
             kvgate_dot_admin_dot_v1_dot_admin__pb2.ListUsageRecordsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.admin.v1.Admin/CreateKey',
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.CreateKeyRequest.SerializeToString,
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.CreatedKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.admin.v1.Admin/GetKey',
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.GetKeyRequest.SerializeToString,
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.admin.v1.Admin/ListKeys',
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ListKeysRequest.SerializeToString,
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ListKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.admin.v1.Admin/RevokeKey',
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.RevokeKeyRequest.SerializeToString,
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.admin.v1.Admin/RotateKey',
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.RotateKeyRequest.SerializeToString,
+            kvgate_dot_admin_dot_v1_dot_admin__pb2.CreatedKey.FromString,
             options,
             channel_credentials,
             insecure,
