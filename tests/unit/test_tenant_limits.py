@@ -15,6 +15,8 @@ from kvgate.policy import (
     BucketSpec,
     BudgetRule,
     ConcurrencyRule,
+    Level,
+    LevelKind,
     ManualClock,
     Period,
     Pricing,
@@ -29,6 +31,7 @@ from kvgate.policy import (
     usd_to_pico,
 )
 from kvgate.policy.periods import period_key, seconds_until_reset
+from kvgate.policy.tenant import BudgetAction, requests_only, shadowed
 
 BIG_BACKEND = BackendLimits(
     "b", kv_budget_tokens=10**9, kv_block_size=1, max_concurrent_requests=10**6
@@ -444,3 +447,68 @@ def test_a_passing_precheck_can_take_the_request_slot() -> None:
     refused = check(req(1, 10), take=True)  # the model's bucket is empty
     assert refused is not None and refused.reason is Reason.RPM_EXCEEDED
     assert (level(""), level("m")) == (1, 0)
+
+
+# ---------------------------------------------------------------- levels (team, user, key)
+
+
+def _levels_policy() -> TenantPolicy:
+    return TenantPolicy(
+        name="t",
+        limits=ScopeLimits(rpm=RateRule(BucketSpec(100, 100 / 60))),
+        budgets=(BudgetRule(Period.DAY, 10**9),),
+        budget_action=BudgetAction.FALLBACK,
+        fallback_model="small",
+    ).with_levels(
+        (
+            Level(LevelKind.TEAM, "research", ScopeLimits(rpm=RateRule(BucketSpec(1, 1 / 60)))),
+            Level(
+                LevelKind.KEY,
+                "key_0123abcd",
+                budgets=(BudgetRule(Period.MONTH, 50),),
+                models=frozenset({"m", "small"}),
+            ),
+        )
+    )
+
+
+def test_level_scopes_follow_the_tenant_and_its_model() -> None:
+    policy = _levels_policy()
+    assert [key for key, _ in policy.scopes("m")] == ["", "@team:research", "@key:key_0123abcd"]
+    assert policy.allows_model("small") and not policy.allows_model("large")
+    assert TenantPolicy(name="t").allows_model("anything")
+
+
+def test_level_violations_are_labelled_by_kind_and_named_in_the_text() -> None:
+    from kvgate.policy import tenant as tenant_limits
+
+    policy = _levels_policy()
+    state = TenantState()
+    tenant_limits.apply(policy, state, model="m", tokens=10, cost_pico=40, now=0.0, wall=0.0)
+    violations = tenant_limits.evaluate(
+        policy, state, model="m", tokens=10, cost_pico=40, now=0.0, wall=0.0
+    )
+    by_label = {v.limit: v for v in violations}
+    assert set(by_label) == {"team:rpm", "key:budget_month"}
+    assert by_label["team:rpm"].detail == (
+        "Rate limit reached for requests per minute for team 'research': limit 1."
+    )
+    assert by_label["key:budget_month"].detail == (
+        "The monthly budget of key 'key_0123abcd' is exhausted."
+    )
+    # The tenant's budget action is the tenant's: a level's budget is not in its room.
+    assert tenant_limits.budget_left_pico(policy, state, 0.0) == 10**9 - 40
+
+
+def test_requests_only_and_shadowed_carry_the_levels() -> None:
+    policy = _levels_policy()
+    only = requests_only(policy)
+    assert [level.limits for level in only.levels] == [
+        policy.levels[0].limits,
+        ScopeLimits(),
+    ]
+    assert all(level.budgets == () for level in only.levels)
+    shadow = shadowed(policy)
+    assert shadow.levels[0].limits.rpm is not None and shadow.levels[0].limits.rpm.shadow
+    assert all(rule.shadow for rule in shadow.levels[1].budgets)
+    assert shadow.levels[1].models == policy.levels[1].models
