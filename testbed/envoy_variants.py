@@ -13,7 +13,9 @@ Each function edits the rendered file in place and returns its path:
 - `verify_jwt`: Envoy's jwt_authn filter ahead of ext_proc (a local JWKS file), its payload
   forwarded to kvgate as dynamic metadata (docs/identity.md);
 - `require_client_certificates`: the LLM listener on TLS with client certificates of a CA,
-  the peer's URI SANs sent to kvgate as a request attribute.
+  the peer's URI SANs sent to kvgate as a request attribute;
+- `check_ext_authz`: Envoy's ext_authz filter (a gRPC Authorization server) ahead of
+  ext_proc, the dynamic metadata of its OK answers forwarded to kvgate.
 """
 
 from __future__ import annotations
@@ -206,5 +208,59 @@ def require_client_certificates(path: Path, *, ca: Path, cert: Path, key: Path) 
         for ext_proc in _extproc_filters(config):
             attributes = ext_proc.setdefault("request_attributes", [])
             attributes.append("connection.uri_san_peer_certificate")
+
+    return _edit(path, change)
+
+
+EXT_AUTHZ = "envoy.filters.http.ext_authz"
+EXT_AUTHZ_CLUSTER = "ext_authz"
+
+
+def check_ext_authz(path: Path, *, port: int) -> Path:
+    """ext_authz before ext_proc on every listener, asking the gRPC Authorization server at
+    127.0.0.1:`port` (fail closed: no answer, 403). A denied check is answered by Envoy and
+    never reaches kvgate; the metadata of an OK goes to kvgate in the filter's namespace."""
+    authz_filter = {
+        "name": EXT_AUTHZ,
+        "typed_config": {
+            "@type": _TYPE_URL + "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+            "transport_api_version": "V3",
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXT_AUTHZ_CLUSTER}, "timeout": "2s"},
+            "failure_mode_allow": False,
+        },
+    }
+    cluster = {
+        "name": EXT_AUTHZ_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": EXT_AUTHZ_CLUSTER,
+            "endpoints": [{"lb_endpoints": [_endpoint(port)]}],
+        },
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _TYPE_URL + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+    }
+
+    def change(config: dict[str, Any]) -> None:
+        for hcm in _connection_managers(config):
+            filters = hcm.get("http_filters")
+            if not filters:
+                continue
+            at = next(
+                i
+                for i, f in enumerate(filters)
+                if EXTPROC_FILTER_TYPE in f.get("typed_config", {}).get("@type", "")
+            )
+            filters.insert(at, copy.deepcopy(authz_filter))
+        for ext_proc in _extproc_filters(config):
+            options = ext_proc.setdefault("metadata_options", {})
+            options.setdefault("forwarding_namespaces", {}).setdefault("untyped", []).append(
+                EXT_AUTHZ
+            )
+        config["static_resources"]["clusters"].append(cluster)
 
     return _edit(path, change)
