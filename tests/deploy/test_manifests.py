@@ -500,6 +500,10 @@ def ext_proc_patch(envoy_filter: dict[str, Any]) -> dict[str, Any]:
     return patches[0]
 
 
+JWT_AUTHN_NAMESPACE = "envoy.filters.http.jwt_authn"
+EXT_AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
+
+
 @pytest.mark.parametrize("path", ISTIO_FILTERS, ids=rel)
 def test_istio_envoyfilter_inserts_ext_proc_before_the_router(path: Path) -> None:
     (envoy_filter,) = objects(path, "EnvoyFilter")
@@ -519,6 +523,11 @@ def test_istio_envoyfilter_inserts_ext_proc_before_the_router(path: Path) -> Non
     reference = ext_proc_config(envoy_reference())
     for each in (config, reference):
         each["mutation_rules"]["allow_expression"].pop("regex")
+    # Beyond envoy/envoy.yaml: the identity the mesh verified goes to kvgate (jwt_authn's
+    # payload from a RequestAuthentication, an ext_authz server's answer; deploy/istio/
+    # identity.yaml), and nothing else.
+    forwarded = config["metadata_options"].pop("forwarding_namespaces")
+    assert forwarded == {"untyped": [JWT_AUTHN_NAMESPACE, EXT_AUTHZ_NAMESPACE]}
     assert without_cluster_name(config) == without_cluster_name(reference)
     assert config["grpc_service"]["envoy_grpc"]["cluster_name"] == ISTIO_KVGATE_CLUSTER
     # Every patch targets the same proxies (context) as the filter.

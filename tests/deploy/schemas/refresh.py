@@ -39,6 +39,7 @@ ENVOY_GATEWAY_CRDS = (
     "envoyextensionpolicies",
     "envoypatchpolicies",
     "httproutefilters",
+    "securitypolicies",
 )
 # Gateway API, standard channel, as Envoy Gateway's CRD chart ships it.
 GATEWAY_API_FILE = "charts/gateway-crds-helm/templates/standard-gatewayapi-crds.yaml"
@@ -46,7 +47,15 @@ GATEWAY_API_CRDS = ("gateways", "httproutes", "referencegrants")
 
 ISTIO_TAG = "1.30.3"
 ISTIO_FILE = "manifests/charts/base/files/crd-all.gen.yaml"
-ISTIO_CRDS = ("destinationrules", "envoyfilters", "gateways", "virtualservices")
+ISTIO_CRDS = (
+    "destinationrules.networking.istio.io",
+    "envoyfilters.networking.istio.io",
+    "gateways.networking.istio.io",
+    "virtualservices.networking.istio.io",
+    "authorizationpolicies.security.istio.io",
+    "peerauthentications.security.istio.io",
+    "requestauthentications.security.istio.io",
+)
 
 PROMETHEUS_OPERATOR_TAG = "v0.93.0"
 PROMETHEUS_OPERATOR_CRDS = ("prometheusrules", "servicemonitors")
@@ -127,8 +136,9 @@ def main() -> None:
         name = f"{plural}.gateway.networking.k8s.io"
         write(crds / f"gateway.networking.k8s.io_{plural}.yaml", docs[name])
     docs = crd_documents(git_show(a.istio, ISTIO_TAG, ISTIO_FILE))
-    for plural in ISTIO_CRDS:
-        write(crds / f"networking.istio.io_{plural}.yaml", docs[f"{plural}.networking.istio.io"])
+    for name in ISTIO_CRDS:
+        plural, group = name.split(".", 1)
+        write(crds / f"{group}_{plural}.yaml", docs[name])
     for plural in PROMETHEUS_OPERATOR_CRDS:
         name = f"monitoring.coreos.com_{plural}.yaml"
         path = f"example/prometheus-operator-crd/{name}"
