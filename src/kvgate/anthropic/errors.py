@@ -160,6 +160,10 @@ class AnthropicErrors:
         # Anthropic's wording; no part of the key is ever echoed.
         return AnthropicError(401, "invalid x-api-key", AUTHENTICATION_ERROR)
 
+    def refused_api_key(self, why: str) -> AnthropicError:
+        message = f"API key has been {why}" if why == "revoked" else f"API key has {why}"
+        return AnthropicError(401, message, AUTHENTICATION_ERROR)
+
     def unknown_identity(self) -> AnthropicError:
         return AnthropicError(
             401,

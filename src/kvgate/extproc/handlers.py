@@ -40,6 +40,7 @@ from kvgate.lifecycle.exchange import Exchange, Forward, PromptCount, UnmeteredF
 from kvgate.lifecycle.protocol import ErrorAnswer, Outcome, Refused
 from kvgate.openai import ParsedRequest
 from kvgate.policy import ActualUsage, Reason, SettleCause, pico_to_usd
+from kvgate.usage_records.facts import NO_PRINCIPAL, Principal
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -92,9 +93,10 @@ class StreamFacts:
     snapshot: RuntimeSnapshot
     request_id: str = ""
     tenant: str | None = None
-    # Set when the mesh identified the caller (docs/identity.md): the token's user, and
-    # how ("jwt", "spiffe"); an API key leaves both None.
-    user: str | None = None
+    # Who the caller is inside its tenant (a token's user and team, a directory key's
+    # team, user and id); empty for a config key.
+    principal: Principal = NO_PRINCIPAL
+    # How the mesh identified the caller ("jwt", "spiffe"); None for an API key.
     identity_source: str | None = None
 
     def metadata(
@@ -109,8 +111,13 @@ class StreamFacts:
             meta["tenant"] = self.tenant
         if self.identity_source:
             meta["identity"] = self.identity_source
-        if self.user:
-            meta["user"] = self.user
+        principal = self.principal
+        if principal.user:
+            meta["user"] = principal.user
+        if principal.team:
+            meta["team"] = principal.team
+        if principal.key_id:
+            meta["key_id"] = principal.key_id
         if isinstance(self.route, RouteSettings) and self.route.name:
             meta["route"] = self.route.name
         if request is not None:

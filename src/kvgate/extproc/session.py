@@ -16,13 +16,16 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvgate.config import hash_api_key
+from kvgate.config.snapshot import compile_level
 from kvgate.extproc import messages
 from kvgate.extproc.handlers import (
     CountingHandler,
@@ -43,18 +46,30 @@ from kvgate.extproc.route_settings import (
     RouteSettingsError,
 )
 from kvgate.extproc.services import GatewayServices
+from kvgate.keys import KeyRefusal
 from kvgate.lifecycle import Ticket
 from kvgate.lifecycle.exchange import Exchange, PromptCount, RouteScope, UnmeteredForward
 from kvgate.lifecycle.protocol import ErrorAnswer, ErrorVocabulary, Outcome
 from kvgate.lifecycle.usage_report import tenant_usage_report
-from kvgate.policy import Reason, shadowed
+from kvgate.policy import Level, LevelKind, Reason, shadowed
 from kvgate.protocols import DEFAULT_ERRORS, METERED_APIS, PROMPT_COUNT_APIS, UNMETERED_APIS
 from kvgate.store import StoreUnavailable
+from kvgate.usage_records.facts import Principal
 
 if TYPE_CHECKING:
     pass
 
 log = logging.getLogger("kvgate.session")
+
+
+@dataclass(frozen=True, slots=True)
+class _IssuedKey:
+    """A valid key from the key directory: whose it is and its own limits."""
+
+    tenant: str
+    principal: Principal
+    levels: tuple[Level, ...]
+
 
 _Mode = processing_mode_pb2.ProcessingMode
 
@@ -218,6 +233,36 @@ class StreamSession:
             return pb.ProcessingResponse(request_body=pb.BodyResponse())
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 
+    async def _issued_key(
+        self, key_hash: str, errors: ErrorVocabulary
+    ) -> _IssuedKey | pb.ProcessingResponse | None:
+        """The tenant, principal and key level of a key from the key directory; a refusal
+        when it was revoked or has expired, or the directory cannot answer (never let
+        through); None when the directory does not hold it."""
+        keys = self._svc.keys
+        assert keys is not None
+        try:
+            async with asyncio.timeout(self._facts.snapshot.config.server.decision_timeout_s):
+                record = await keys.lookup(key_hash)
+        except Exception:  # any store failure: refuse, never admit an unchecked key
+            log.exception("the key directory could not be asked")
+            return self._reject(
+                errors.service_unavailable(retry_after_s=1), Outcome.KEY_DIRECTORY_UNAVAILABLE
+            )
+        if record is None:
+            return None
+        refusal = record.refusal(time.time())
+        if refusal is KeyRefusal.REVOKED:
+            return self._reject(errors.refused_api_key("revoked"), Outcome.REVOKED_API_KEY)
+        if refusal is KeyRefusal.EXPIRED:
+            return self._reject(errors.refused_api_key("expired"), Outcome.EXPIRED_API_KEY)
+        own = (
+            (compile_level(LevelKind.KEY, record.key_id, record.limits),)
+            if record.limits is not None
+            else ()
+        )
+        return _IssuedKey(record.tenant, Principal(record.team, record.user, record.key_id), own)
+
     def _reject(self, answer: ErrorAnswer, label: Reason | Outcome) -> pb.ProcessingResponse:
         self._handler.phase = Phase.REJECTED
         return self._facts.refusal(answer, label)
@@ -278,17 +323,29 @@ class StreamSession:
         except IdentityRefused as refused:
             log.info("identity refused: %s", refused, extra={"request_id": facts.request_id})
             return self._reject(errors.unknown_identity(), Outcome.UNKNOWN_IDENTITY)
+        levels: tuple[Level, ...] = ()
         if caller is not None:
             tenant: str | None = caller.tenant
-            facts.user, facts.identity_source = caller.user, caller.source
+            facts.identity_source = caller.source
+            facts.principal = Principal(user=caller.user)
         elif key is None:
             return self._reject(errors.missing_api_key(route.key_header), Outcome.MISSING_API_KEY)
         else:
-            tenant = snapshot.tenants_by_key_hash.get(hash_api_key(key))
-        if tenant is None:
+            key_hash = hash_api_key(key)
+            tenant = snapshot.tenants_by_key_hash.get(key_hash)
+            if tenant is None and self._svc.keys is not None:
+                found = await self._issued_key(key_hash, errors)
+                if isinstance(found, pb.ProcessingResponse):
+                    return found
+                if found is not None:
+                    tenant, facts.principal = found.tenant, found.principal
+                    levels = found.levels
+        if tenant is None or tenant not in snapshot.tenants:
             return self._reject(errors.invalid_api_key(), Outcome.INVALID_API_KEY)
         facts.tenant = tenant
-        policy = snapshot.tenants[tenant]
+        principal = facts.principal
+        levels = (*snapshot.levels(tenant, principal.team, principal.user), *levels)
+        policy = snapshot.tenants[tenant].with_levels(levels)
         if route.shadow:
             # The operator's route trials the tenant's limits: decided and counted in
             # kvgate_shadow_rejections_total, never enforced (the KV budget still is).
@@ -408,6 +465,7 @@ class StreamSession:
             route=scope,
             sees_answer=not self._answer_seen_elsewhere,
             on_wait=lambda wait_s: handler.extend_message_timeout(wait_s),
+            principal=facts.principal,
         )
         handler = MeteredHandler(
             facts,

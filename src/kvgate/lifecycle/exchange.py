@@ -44,7 +44,7 @@ from kvgate.metrics import Metrics
 from kvgate.openai import ParsedRequest
 from kvgate.policy import ActualUsage, Reason, SettleCause, TenantPolicy
 from kvgate.tokenize import TokenizerBusy
-from kvgate.usage_records.facts import RequestFacts
+from kvgate.usage_records.facts import NO_PRINCIPAL, Principal, RequestFacts
 
 log = logging.getLogger("kvgate.exchange")
 
@@ -127,8 +127,10 @@ class Exchange:
         route: RouteScope = RouteScope(),
         sees_answer: bool = True,
         on_wait: WaitNotice | None = None,
+        principal: Principal = NO_PRINCIPAL,
     ) -> None:
         self._svc = services
+        self._principal = principal
         self._snapshot = snapshot
         self.api = api
         # The tenant's limits at the decision (None only for an exchange that observes).
@@ -380,6 +382,7 @@ class Exchange:
         return RequestFacts(
             api=self.api.name,
             request_id=self.request_id,
+            principal=self._principal,
             route=self._route.backend,
             decision_ms=since_start(self._decided_at),
             ttft_ms=since_start(self._first_byte_at),

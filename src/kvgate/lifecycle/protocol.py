@@ -54,6 +54,11 @@ class ErrorVocabulary(Protocol):
 
     def invalid_api_key(self) -> ErrorAnswer: ...
 
+    def refused_api_key(self, why: str) -> ErrorAnswer:
+        """401 for a key that was valid and no longer is; ``why`` is "revoked" or
+        "expired" (said, since the holder knows the key; never which other keys exist)."""
+        ...
+
     def unknown_identity(self) -> ErrorAnswer: ...
 
     def model_not_found(self, model: str) -> ErrorAnswer: ...
@@ -117,6 +122,11 @@ class Outcome(enum.Enum):
     INVALID_API_KEY = "invalid_api_key"
     # A token or client certificate the mesh verified names no tenant.
     UNKNOWN_IDENTITY = "unknown_identity"
+    # A key from the key directory that was revoked, or has expired.
+    REVOKED_API_KEY = "revoked_api_key"
+    EXPIRED_API_KEY = "expired_api_key"
+    # The key directory could not be asked (its store is down): 503, never let through.
+    KEY_DIRECTORY_UNAVAILABLE = "key_directory_unavailable"
     INVALID_REQUEST = "invalid_request"
     UNSUPPORTED_PATH = "unsupported_path"
     # kvgate could not decide within server.decision_timeout_s (before Envoy's deadline).

@@ -42,6 +42,7 @@ __all__ = [
     "model_not_found",
     "rate_limit_headers",
     "rate_limited",
+    "refused_api_key",
     "route_misconfigured",
     "service_unavailable",
     "tenant_not_allowed_on_route",
@@ -177,6 +178,19 @@ def unknown_identity() -> ApiError:
         INVALID_REQUEST_ERROR,
         "unknown_identity",
         None,
+    )
+
+
+def refused_api_key(why: str) -> ApiError:
+    """401: a key kvgate issued that was revoked or has expired. The code stays
+    ``invalid_api_key`` (what OpenAI clients branch on); the message says why."""
+    return ApiError(
+        401,
+        f"This API key has been {why}." if why == "revoked" else f"This API key has {why}.",
+        INVALID_REQUEST_ERROR,
+        "invalid_api_key",
+        None,
+        {"www-authenticate": "Bearer"},
     )
 
 

@@ -12,11 +12,25 @@ from kvgate.usage_records.record import AnswerSource, UsageRecord, pricing_versi
 
 
 @dataclass(frozen=True, slots=True)
+class Principal:
+    """Who the caller is inside its tenant, where known: the team and user a key or a
+    token names, and the key directory's key id."""
+
+    team: str | None = None
+    user: str | None = None
+    key_id: str | None = None
+
+
+NO_PRINCIPAL = Principal()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFacts:
     """Timed by the exchange (milliseconds from the request body's arrival)."""
 
     api: str
     request_id: str = ""
+    principal: Principal = NO_PRINCIPAL
     # The route's backend override, when one applied.
     route: str | None = None
     decision_ms: float | None = None
@@ -78,6 +92,9 @@ def settled_record(
         decision_ms=facts.decision_ms,
         ttft_ms=facts.ttft_ms,
         duration_ms=facts.duration_ms if facts.duration_ms is not None else duration_s * 1000,
+        team_id=facts.principal.team,
+        user_id=facts.principal.user,
+        key_id=facts.principal.key_id,
     )
 
 
@@ -129,4 +146,7 @@ def served_record(
         route=facts.route,
         decision_ms=facts.duration_ms,
         duration_ms=facts.duration_ms,
+        team_id=facts.principal.team,
+        user_id=facts.principal.user,
+        key_id=facts.principal.key_id,
     )

@@ -82,7 +82,7 @@ class UsageRecord:
     decision_ms: float | None = None
     ttft_ms: float | None = None
     duration_ms: float | None = None
-    # Who the tenant is inside its organisation: not known to kvgate yet.
+    # Who the caller is inside its tenant, where a key or a token names it.
     team_id: str | None = None
     user_id: str | None = None
     key_id: str | None = None
