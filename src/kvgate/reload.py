@@ -130,7 +130,12 @@ class ConfigReloader:
                     await asyncio.to_thread(self._prepare, config) if self._prepare else None
                 )
                 await asyncio.to_thread(self._load_tokenizers, old, config)
-                snapshot = compile_snapshot(config)
+                # The serving snapshot's unchanged tenants are reused, not compiled again;
+                # off the event loop, as a fleet of tenants takes a while.
+                snapshot = await asyncio.to_thread(
+                    compile_snapshot, config, self._snapshots.current
+                )
+                config = snapshot.config  # holding those tenants' (equal) config objects
             except Exception as exc:  # any failure keeps the old snapshot
                 self.last_error = str(exc)
                 self._metrics.config_reloads.labels("failure").inc()

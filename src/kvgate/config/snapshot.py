@@ -11,11 +11,14 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from kvgate.config.model import (
+    BudgetConfig,
     KvgateConfig,
+    LevelBudgetConfig,
     LevelConfig,
     LimitsConfig,
     ModelConfig,
     TenantConfig,
+    gc_paused,
 )
 from kvgate.policy import (
     BackendLimits,
@@ -68,38 +71,87 @@ class TenantLevels:
 
 
 NO_LEVELS = TenantLevels()
+_NO_MODEL_LIMITS: Mapping[str, ScopeLimits] = MappingProxyType({})
+
+
+class _Compiler:
+    """Compiles sections once per distinct object: parse_config shares equal limits and
+    budgets between tenants (kvgate.config.model), so a fleet of tenants on a few tiers
+    compiles a few ScopeLimits and budget rules, each shared by every tenant of its tier."""
+
+    __slots__ = ("_budgets", "_scopes")
+
+    def __init__(self) -> None:
+        # By id(): the config holding the sections outlives the compile.
+        self._scopes: dict[int, ScopeLimits] = {}
+        self._budgets: dict[int, tuple[BudgetRule, ...]] = {}
+
+    def scope(self, limits: LimitsConfig) -> ScopeLimits:
+        scope = self._scopes.get(id(limits))
+        if scope is None:
+            scope = self._scopes[id(limits)] = _scope(limits)
+        return scope
+
+    def budget_rules(self, budget: BudgetConfig | LevelBudgetConfig) -> tuple[BudgetRule, ...]:
+        rules = self._budgets.get(id(budget))
+        if rules is None:
+            rules = self._budgets[id(budget)] = _budget_rules(budget)
+        return rules
+
+    def level(self, kind: LevelKind, name: str, level: LevelConfig) -> Level:
+        return Level(
+            kind=kind,
+            name=name,
+            limits=self.scope(level.limits),
+            budgets=self.budget_rules(level.budget) if level.budget is not None else (),
+            models=frozenset(level.models) if level.models is not None else None,
+        )
+
+    def tenant_levels(self, tenant: TenantConfig) -> TenantLevels:
+        if not (tenant.teams or tenant.users or tenant.user_limits):
+            return NO_LEVELS
+        return TenantLevels(
+            teams=MappingProxyType(
+                {name: self.level(LevelKind.TEAM, name, c) for name, c in tenant.teams.items()}
+            ),
+            users=MappingProxyType(
+                {name: self.level(LevelKind.USER, name, c) for name, c in tenant.users.items()}
+            ),
+            user_template=self.level(LevelKind.USER, "", tenant.user_limits)
+            if tenant.user_limits is not None
+            else None,
+        )
+
+    def tenant_policy(self, tenant: TenantConfig) -> TenantPolicy:
+        budget = tenant.budget
+        return TenantPolicy(
+            name=tenant.name,
+            limits=self.scope(tenant.limits),
+            model_limits=MappingProxyType(
+                {model: self.scope(limits) for model, limits in tenant.model_limits.items()}
+            )
+            if tenant.model_limits
+            else _NO_MODEL_LIMITS,
+            budgets=self.budget_rules(budget) if budget is not None else (),
+            budget_action=BudgetAction(budget.action) if budget is not None else BudgetAction.BLOCK,
+            fallback_model=budget.fallback_model if budget is not None else None,
+        )
+
+
+def _budget_rules(budget: BudgetConfig | LevelBudgetConfig) -> tuple[BudgetRule, ...]:
+    return tuple(
+        BudgetRule(period, usd_to_pico(amount), budget.shadow)
+        for period, amount in ((Period.DAY, budget.daily_usd), (Period.MONTH, budget.monthly_usd))
+        if amount is not None
+    )
 
 
 def compile_level(kind: LevelKind, name: str, level: LevelConfig) -> Level:
-    budgets: list[BudgetRule] = []
-    if level.budget is not None:
-        budget = level.budget
-        for period, amount in ((Period.DAY, budget.daily_usd), (Period.MONTH, budget.monthly_usd)):
-            if amount is not None:
-                budgets.append(BudgetRule(period, usd_to_pico(amount), budget.shadow))
-    return Level(
-        kind=kind,
-        name=name,
-        limits=_scope(level.limits),
-        budgets=tuple(budgets),
-        models=frozenset(level.models) if level.models is not None else None,
-    )
+    return _Compiler().level(kind, name, level)
 
 
 def _tenant_levels(tenant: TenantConfig) -> TenantLevels:
-    if not (tenant.teams or tenant.users or tenant.user_limits):
-        return NO_LEVELS
-    return TenantLevels(
-        teams=MappingProxyType(
-            {name: compile_level(LevelKind.TEAM, name, c) for name, c in tenant.teams.items()}
-        ),
-        users=MappingProxyType(
-            {name: compile_level(LevelKind.USER, name, c) for name, c in tenant.users.items()}
-        ),
-        user_template=compile_level(LevelKind.USER, "", tenant.user_limits)
-        if tenant.user_limits is not None
-        else None,
-    )
+    return _Compiler().tenant_levels(tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,33 +214,72 @@ def _scope(limits: LimitsConfig) -> ScopeLimits:
 
 
 def _tenant_policy(tenant: TenantConfig) -> TenantPolicy:
-    budgets: list[BudgetRule] = []
-    action = BudgetAction.BLOCK
-    fallback = None
-    if tenant.budget is not None:
-        budget = tenant.budget
-        for period, amount in ((Period.DAY, budget.daily_usd), (Period.MONTH, budget.monthly_usd)):
-            if amount is not None:
-                budgets.append(BudgetRule(period, usd_to_pico(amount), budget.shadow))
-        action = BudgetAction(budget.action)
-        fallback = budget.fallback_model
-    return TenantPolicy(
-        name=tenant.name,
-        limits=_scope(tenant.limits),
-        model_limits=MappingProxyType(
-            {model: _scope(limits) for model, limits in tenant.model_limits.items()}
-        ),
-        budgets=tuple(budgets),
-        budget_action=action,
-        fallback_model=fallback,
-    )
+    return _Compiler().tenant_policy(tenant)
 
 
-def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
-    by_hash = {digest: t.name for t in config.tenants for digest in t.key_hashes}
+@dataclass(slots=True)
+class _TenantParts:
+    """Everything the snapshot holds of the tenants, built tenant by tenant."""
+
+    configs: list[TenantConfig] = field(default_factory=list)
+    by_key_hash: dict[str, str] = field(default_factory=dict)
+    policies: dict[str, TenantPolicy] = field(default_factory=dict)
+    priorities: dict[str, tuple[int, frozenset[int]]] = field(default_factory=dict)
+    tenant_configs: dict[str, TenantConfig] = field(default_factory=dict)
+    levels: dict[str, TenantLevels] = field(default_factory=dict)
+    reused: int = 0
+
+
+def _compile_tenants(tenants: list[TenantConfig], previous: RuntimeSnapshot | None) -> _TenantParts:
+    """The tenants' compiled parts; a tenant equal to one of `previous` (same name, equal
+    settings) keeps that snapshot's parts, its config object included, compiled once."""
+    parts = _TenantParts()
+    compiler = _Compiler()
+    old_configs = previous.tenant_configs if previous is not None else {}
+    for tenant in tenants:
+        name = tenant.name
+        old = old_configs.get(name)
+        if old is not None and previous is not None and (old is tenant or old == tenant):
+            tenant = old
+            policy = previous.tenants[name]
+            priority = previous.priorities[name]
+            levels = previous.tenant_levels.get(name, NO_LEVELS)
+            parts.reused += 1
+        else:
+            policy = compiler.tenant_policy(tenant)
+            priority = (tenant.priority, frozenset(tenant.allowed_priorities))
+            levels = compiler.tenant_levels(tenant)
+        parts.configs.append(tenant)
+        value = tenant.api_key_sha256
+        for digest in (value,) if isinstance(value, str) else value:
+            parts.by_key_hash[digest] = name
+        parts.policies[name] = policy
+        parts.priorities[name] = priority
+        parts.tenant_configs[name] = tenant
+        if levels is not NO_LEVELS:
+            parts.levels[name] = levels
+    return parts
+
+
+def compile_snapshot(
+    config: KvgateConfig, previous: RuntimeSnapshot | None = None
+) -> RuntimeSnapshot:
+    """The snapshot of `config`. With `previous` (the one serving), the tenants that did not
+    change keep their compiled parts, and the new snapshot's config holds their previous
+    config objects (equal to the new ones), so a reload that changes one tenant of many
+    compiles one."""
+    with gc_paused():
+        return _compile(config, previous)
+
+
+def _compile(config: KvgateConfig, previous: RuntimeSnapshot | None) -> RuntimeSnapshot:
+    tenants = _compile_tenants(config.tenants, previous)
+    if tenants.reused:
+        # Keep one object per tenant alive, not an old and an equal new one.
+        config = config.model_copy(update={"tenants": tenants.configs})
     return RuntimeSnapshot(
-        tenants_by_key_hash=MappingProxyType(by_hash),
-        tenants=MappingProxyType({t.name: _tenant_policy(t) for t in config.tenants}),
+        tenants_by_key_hash=MappingProxyType(tenants.by_key_hash),
+        tenants=MappingProxyType(tenants.policies),
         models=MappingProxyType({m.name: _route(m) for m in config.models}),
         backends=MappingProxyType(
             {
@@ -206,22 +297,14 @@ def compile_snapshot(config: KvgateConfig) -> RuntimeSnapshot:
         upstream_keys=MappingProxyType(
             {b.name: key for b in config.backends if (key := b.upstream_api_key)}
         ),
-        priorities=MappingProxyType(
-            {t.name: (t.priority, frozenset(t.allowed_priorities)) for t in config.tenants}
-        ),
+        priorities=MappingProxyType(tenants.priorities),
         queued_pools=frozenset(b.name for b in config.backends if b.queue is not None),
         queue_waits=MappingProxyType(
             {b.name: b.queue.max_wait_s for b in config.backends if b.queue is not None}
         ),
-        tenant_configs=MappingProxyType({t.name: t for t in config.tenants}),
+        tenant_configs=MappingProxyType(tenants.tenant_configs),
         model_configs=MappingProxyType({m.name: m for m in config.models}),
-        tenant_levels=MappingProxyType(
-            {
-                t.name: levels
-                for t in config.tenants
-                if (levels := _tenant_levels(t)) is not NO_LEVELS
-            }
-        ),
+        tenant_levels=MappingProxyType(tenants.levels),
     )
 
 
