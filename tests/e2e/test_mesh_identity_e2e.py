@@ -9,24 +9,20 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jwt
 import pytest
-from cryptography.hazmat.primitives.asymmetric import rsa
 from openai import OpenAI
 
 from testbed import envoy_variants
 from testbed.harness import DEFAULT_MODEL_NAME, DEMO_TENANT, Stack, tenant_totals, wait_until
 from tests.admin.pki import Pki, needs_openssl
+from tests.e2e.identity_support import ISSUER, PAYLOAD_KEY, JwtStack, Signer
 
-ISSUER = "https://issuer.mesh.test"
 TEAM = "team-a"  # no API key: only the mesh names it
-PAYLOAD_KEY = "jwt_payload"
 AGENT_ID = "spiffe://cluster.local/ns/agents/sa/coder"
 TIMEOUT_S = 10.0
 CHAT = {
@@ -34,36 +30,6 @@ CHAT = {
     "messages": [{"role": "user", "content": "Who am I?"}],
     "max_tokens": 5,
 }
-
-
-class Signer:
-    """An issuer's RSA key: its JWKS file for Envoy, and tokens it signs."""
-
-    def __init__(self, directory: Path) -> None:
-        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key()))
-        self.jwks = directory / "jwks.json"
-        self.jwks.write_text(json.dumps({"keys": [{**public, "kid": "k1", "alg": "RS256"}]}))
-
-    def token(self, *, expires_in: float = 300, issuer: str = ISSUER, **claims: Any) -> str:
-        now = int(time.time())
-        payload = {"iss": issuer, "iat": now, "exp": now + int(expires_in), **claims}
-        return jwt.encode(payload, self.key, algorithm="RS256", headers={"kid": "k1"})
-
-
-class JwtStack(Stack):
-    def __init__(self, signer: Signer, **kwargs: Any) -> None:
-        self.signer = signer
-        super().__init__(**kwargs)
-
-    def write_configs(self) -> None:
-        super().write_configs()
-        envoy_variants.verify_jwt(
-            self.envoy_config_path,
-            issuer=ISSUER,
-            jwks_file=self.signer.jwks,
-            payload_key=PAYLOAD_KEY,
-        )
 
 
 TENANTS = [{"name": DEMO_TENANT, "api_key": "sk-kvgate-demo"}, {"name": TEAM}]

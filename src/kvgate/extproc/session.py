@@ -319,7 +319,9 @@ class StreamSession:
             (*CREDENTIAL_HEADERS, route.key_header) if route.key_header else CREDENTIAL_HEADERS
         )
         try:
-            caller = mesh_caller(message, snapshot.config.identity, snapshot.tenants, key)
+            caller = mesh_caller(
+                message, snapshot.config.identity, snapshot.tenants, key, route.identity_sources
+            )
         except IdentityRefused as refused:
             log.info("identity refused: %s", refused, extra={"request_id": facts.request_id})
             return self._reject(errors.unknown_identity(), Outcome.UNKNOWN_IDENTITY)
@@ -327,7 +329,7 @@ class StreamSession:
         if caller is not None:
             tenant: str | None = caller.tenant
             facts.identity_source = caller.source
-            facts.principal = Principal(user=caller.user)
+            facts.principal = Principal(team=caller.team, user=caller.user)
         elif key is None:
             return self._reject(errors.missing_api_key(route.key_header), Outcome.MISSING_API_KEY)
         else:
@@ -361,7 +363,7 @@ class StreamSession:
             )
 
         if self._path == USAGE_PATH:
-            return await self._usage_report(method, tenant)
+            return await self._usage_report(method, tenant, policy.levels)
         if self._path in PASSTHROUGH_PATHS or self._path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
                 return self._reject(
@@ -509,7 +511,9 @@ class StreamSession:
             "invalid_value",
         )
 
-    async def _usage_report(self, method: str, tenant: str) -> pb.ProcessingResponse:
+    async def _usage_report(
+        self, method: str, tenant: str, levels: tuple[Level, ...]
+    ) -> pb.ProcessingResponse:
         if method not in ("GET", "HEAD"):
             return self._reject(
                 self._errors.method_not_allowed(method, self._path, ("GET", "HEAD")),
@@ -519,7 +523,7 @@ class StreamSession:
         self._svc.metrics.requests.labels("answered", Outcome.USAGE_REPORT.value).inc()
         try:
             report = await tenant_usage_report(
-                self._svc.store, self._svc.clock, self._facts.snapshot, tenant
+                self._svc.store, self._svc.clock, self._facts.snapshot, tenant, levels
             )
         except StoreUnavailable as exc:
             return self._reject(

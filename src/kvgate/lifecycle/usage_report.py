@@ -4,11 +4,21 @@ key); operators read every tenant's on kvgate's HTTP port and through the admin 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvgate.config.snapshot import RuntimeSnapshot
-from kvgate.policy import Clock, Period, UsageTotals, period_key, pico_to_usd, seconds_until_reset
+from kvgate.policy import (
+    Clock,
+    Level,
+    Period,
+    UsageTotals,
+    period_key,
+    pico_to_usd,
+    seconds_until_reset,
+)
 from kvgate.store import StateStore
+from kvgate.store.base import TenantUsage
 
 
 def _money(pico: int) -> str:
@@ -40,13 +50,38 @@ async def record_cache_hit(
     await store.record_cache_hit(tenant, model, saved_tokens, ledger_periods(clock))
 
 
-async def tenant_usage_report(
-    store: StateStore, clock: Clock, snapshot: RuntimeSnapshot, tenant: str
+def _level_report(
+    level: Level, usage: TenantUsage, keys: dict[Period, str], wall: float
 ) -> dict[str, Any]:
+    """One level's own spend (and budget) today and this month."""
+    entry: dict[str, Any] = {"level": level.kind.value, "name": level.name}
+    for period, key in keys.items():
+        spent = usage.level_spent_pico.get((level.scope_key, key), 0)
+        money: dict[str, Any] = {"period": key, "cost_usd": _money(spent)}
+        rule = next((b for b in level.budgets if b.period is period), None)
+        if rule is not None:
+            money["budget_usd"] = _money(rule.cap_pico)
+            money["remaining_usd"] = _money(max(0, rule.cap_pico - spent))
+            money["resets_in_s"] = round(seconds_until_reset(period, wall))
+        entry["today" if period is Period.DAY else "this_month"] = money
+    return entry
+
+
+async def tenant_usage_report(
+    store: StateStore,
+    clock: Clock,
+    snapshot: RuntimeSnapshot,
+    tenant: str,
+    levels: Sequence[Level] = (),
+) -> dict[str, Any]:
+    """The tenant's ledger today and this month; with ``levels`` (the caller's team, user,
+    key), each level's own spend and budget too."""
     wall = clock.wall()
     policy = snapshot.tenants.get(tenant)
     keys = {period: period_key(period, wall) for period in (Period.DAY, Period.MONTH)}
-    usage = await store.tenant_usage(tenant, keys.values())
+    usage = await store.tenant_usage(
+        tenant, keys.values(), levels=[level.scope_key for level in levels]
+    )
     report: dict[str, Any] = {"object": "kvgate.usage", "tenant": tenant}
     for period, key in keys.items():
         by_model = {
@@ -79,4 +114,6 @@ async def tenant_usage_report(
                 max(0, rule.cap_pico - spent - usage.reserved_pico.get(key, 0))
             )
         report["today" if period is Period.DAY else "this_month"] = entry
+    if levels:
+        report["levels"] = [_level_report(level, usage, keys, wall) for level in levels]
     return report

@@ -406,10 +406,10 @@ def evaluate(
                     Reason.BUDGET_EXCEEDED,
                     f"budget_{rule.period.value}",
                     (
-                        f"This request's worst-case cost exceeds the whole {rule.period.value}ly "
-                        "budget."
+                        f"This request's worst-case cost exceeds the whole "
+                        f"{_PERIOD_ADJECTIVE[rule.period]} budget."
                         if never
-                        else f"The {rule.period.value}ly budget is exhausted."
+                        else f"The {_PERIOD_ADJECTIVE[rule.period]} budget is exhausted."
                     ),
                     None if never else seconds_until_reset(rule.period, wall),
                     rule.shadow,
