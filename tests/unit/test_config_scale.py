@@ -94,7 +94,7 @@ def test_what_yaml_1_1_reads_otherwise_is_read_by_pyyaml(text: str) -> None:
 PLAIN_SCALAR = st.text(alphabet="0123456789.:-+_eEoxXbBnNyYsOfta ", min_size=1, max_size=8)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scalars=st.lists(PLAIN_SCALAR, min_size=1, max_size=4))
 def test_any_plain_scalar_reads_as_pyyaml_reads_it(scalars: list[str]) -> None:
     text = "".join(f"k{i}: {s}\nl{i}: [{s}, x]\n" for i, s in enumerate(scalars))
