@@ -9,6 +9,7 @@ access log name the key, its team and its user.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -24,6 +25,8 @@ from testbed.harness import DEFAULT_MODEL_NAME, default_models, wait_until
 from testbed.redis_harness import RedisStack
 
 TENANT = "acme"
+BURST_TENANT = "burst"
+BURST_RPM = 7
 # Envoy spreads requests over both replicas: this many in a row reach each at least once.
 SPREAD = 8
 PROPAGATION_DEADLINE_S = 10.0  # generous: the bound under test is keys.refresh_s
@@ -38,7 +41,10 @@ def _models() -> list[dict[str, Any]]:
 def stack() -> Iterator[RedisStack]:
     with RedisStack(
         # A tenant with no key in the file: only the key directory names it.
-        tenants=[{"name": TENANT, "teams": {"research": {}}}],
+        tenants=[
+            {"name": TENANT, "teams": {"research": {}}},
+            {"name": BURST_TENANT, "limits": {"rpm": BURST_RPM}},
+        ],
         models=_models(),
         kvgate_overrides={"keys": {"refresh_s": 0.25}},
     ) as running:
@@ -200,3 +206,48 @@ def test_the_cli_makes_a_key_and_the_access_log_names_it(stack: RedisStack) -> N
     assert entry["key_id"].startswith("key_")
     # The secret never reaches the log.
     assert secret not in "\n".join(str(e) for e in stack.access_log())
+
+
+async def _burst(stack: RedisStack, keys: list[str], per_key: int) -> list[int]:
+    limits = httpx.Limits(max_connections=len(keys) * per_key)
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60, limits=limits) as client:
+        answers = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": DEFAULT_MODEL_NAME,
+                        "messages": [{"role": "user", "content": "Hi."}],
+                        "max_tokens": 2,
+                    },
+                    headers={"authorization": f"Bearer {key}"},
+                )
+                for key in keys
+                for _ in range(per_key)
+            )
+        )
+    return [answer.status_code for answer in answers]
+
+
+def test_a_burst_across_many_keys_never_overshoots_their_tenants_limit(
+    stack: RedisStack, admin: admin_pb2_grpc.AdminStub
+) -> None:
+    """Fourteen keys of one tenant, each with room of its own, two requests each at once
+    over both replicas: the tenant's RPM admits exactly its limit (one atomic reservation
+    takes from the key's and the tenant's buckets together)."""
+    keys = [
+        admin.CreateKey(
+            admin_pb2.CreateKeyRequest(tenant=BURST_TENANT, limits_json='{"limits": {"rpm": 100}}'),
+            timeout=5,
+        ).secret
+        for _ in range(14)
+    ]
+    for key in keys:  # every key known to both replicas, without spending the tenant's RPM
+        wait_until(
+            lambda key=key: _chat(stack, key, body={"model": "no-such-model"}).status_code,
+            lambda status: status == 404,
+            timeout=PROPAGATION_DEADLINE_S,
+        )
+    statuses = asyncio.run(_burst(stack, keys, per_key=2))
+    assert statuses.count(200) == BURST_RPM, statuses
+    assert statuses.count(429) == len(statuses) - BURST_RPM
