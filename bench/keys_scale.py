@@ -28,8 +28,11 @@ from kvgate.store.redis_store import hash_tag
 BATCH = 10_000
 
 
-async def write_keys(client: aioredis.Redis, tag: str, count: int) -> list[str]:
-    """``count`` key records in the directory's layout; returns a few of their hashes."""
+async def write_keys(
+    client: aioredis.Redis, tag: str, count: int, *, tenant: str | None = None
+) -> list[str]:
+    """``count`` key records in the directory's layout (the key i's secret is
+    ``kvg-bench-<i>``), all of ``tenant`` or spread over t0..t99; returns a few hashes."""
     samples: list[str] = []
     for start in range(0, count, BATCH):
         pipe = client.pipeline(transaction=False)
@@ -38,7 +41,10 @@ async def write_keys(client: aioredis.Redis, tag: str, count: int) -> list[str]:
         for i in range(start, min(start + BATCH, count)):
             key_hash = hash_api_key(f"kvg-bench-{i}")
             record = KeyRecord(
-                key_id=new_key_id(), key_hash=key_hash, tenant=f"t{i % 100}", created_at=0.0
+                key_id=new_key_id(),
+                key_hash=key_hash,
+                tenant=tenant or f"t{i % 100}",
+                created_at=0.0,
             )
             fields = record_fields(record)
             pipe.hset(f"{tag}:apikey|h|{key_hash}", mapping={n: fields[n] for n in FIELDS})

@@ -9,6 +9,10 @@ Every arm talks to the same vLLM simulator process:
 | noop           | client -> Envoy (envoy.yaml) -> no-op Python ext_proc; -> sim     |
 | kvgate         | client -> Envoy (envoy.yaml) -> kvgate, memory store; -> sim      |
 | kvgate-redis   | the same, kvgate with the Redis store at 127.0.0.1:6379          |
+| kvgate-keys    | as kvgate, but the client's key is one of 1,000,000 in the key    |
+|                | directory (embedded SQLite file in the work dir), not in the YAML |
+| kvgate-keys-   | as kvgate-redis, the client's key one of 1,000,000 in the Redis  |
+| redis          | key directory (the state store's Redis, its own key prefix)       |
 | kvgate-split   | Envoy (envoy-observability.yaml) -> kvgate (the memory one); -> sim |
 | litellm        | client -> LiteLLM proxy (own venv, custom-auth keys) -> sim       |
 
@@ -18,26 +22,39 @@ testbed/envoy_variants.py): logs in `<work_dir>/logs`, SIGTERM then SIGKILL on s
 module chooses them per arm, adds LiteLLM and the shared Redis, and says which processes'
 CPU each arm adds. Everything is started once; arms take turns, so an idle arm costs only
 its health checks. Envoy runs with `--concurrency 1` in every arm.
+
+The keys arms' directories are filled before their kvgate starts: one key made through the
+directory's own `create` (the real schema and record; its secret is the arm's client key),
+then the other 999,999 written straight into the store in bulk (SQLite: one executemany in
+one transaction; Redis: pipelined, as bench/keys_scale.py writes them). The fill and a few
+lookups on a directory opened on the filled store are recorded in `BenchStack.key_stores`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from bench.api_cases import EMBEDDING_MODEL
 from bench.cpu import tree_cpu_seconds, wait_machine_quiet
+from kvgate.config.model import hash_api_key
+from kvgate.keys.directory import FIELDS, CachedDirectory, new_key_id, record_fields
+from kvgate.keys.records import KeyRecord
+from kvgate.keys.sqlite_directory import SqliteKeyDirectory
 from testbed.harness import (
     ENVOY_CONFIG,
     REPO_ROOT,
@@ -74,6 +91,8 @@ TENANT_TPM = 10_000_000_000
 LIMITED_TPM = 1_035
 SHORT_TPM = 1_100
 
+_T = TypeVar("_T")
+
 ARM_ORDER = (
     "direct",
     "envoy",
@@ -81,10 +100,17 @@ ARM_ORDER = (
     "kvgate",
     "kvgate-redis",
     "kvgate-redis-2",
+    "kvgate-keys",
+    "kvgate-keys-redis",
     "kvgate-split",
     "litellm",
 )
-REDIS_ARMS = ("kvgate-redis", "kvgate-redis-2")
+REDIS_ARMS = ("kvgate-redis", "kvgate-redis-2", "kvgate-keys-redis")
+# The arms whose client key is in the key directory, among this many keys.
+KEYS_ARMS = ("kvgate-keys", "kvgate-keys-redis")
+DIRECTORY_KEYS = 1_000_000
+# The directory keys' tenant: the bench client's (limits far above the run's).
+DIRECTORY_TENANT = "bench"
 
 # The two kvgate processes of the kvgate-redis-2 arm.
 PAIR = ("kvgate-redis-a", "kvgate-redis-b")
@@ -94,6 +120,8 @@ KVGATES_OF_ARM = {
     "kvgate-split": ("kvgate-memory",),
     "kvgate-redis": ("kvgate-redis",),
     "kvgate-redis-2": PAIR,
+    "kvgate-keys": ("kvgate-keys",),
+    "kvgate-keys-redis": ("kvgate-keys-redis",),
 }
 
 
@@ -138,6 +166,163 @@ class Arm:
             "content-type": "application/json",
             "authorization": f"Bearer {api_key or self.api_key}",
         }
+
+
+# --------------------------------------------------------------------------- the key stores
+
+
+@dataclass
+class KeyStoreFill:
+    """A keys arm's directory: how it was filled and what lookups on it cost."""
+
+    store: str  # "embedded" or "redis"
+    keys: int
+    fill_s: float
+    # A directory opened on the store with only the client's key, then with all of them:
+    # label -> {"open_ms", "first_lookup_ms", "cached_lookup_ms", "unknown_lookup_ms"}
+    lookups: dict[str, dict[str, float]] = field(default_factory=dict)
+    size_bytes: int | None = None  # the SQLite file, or Redis's used_memory growth
+
+
+def _bulk_key_hash(i: int) -> str:
+    return hash_api_key(f"kvg-bench-{i}")
+
+
+async def directory_lookups(
+    directory: CachedDirectory, client_hash: str, samples: list[str]
+) -> dict[str, float]:
+    """Opening a directory (start and the first generation read, which opens the store), then
+    the first lookup of stored keys (median), a cached lookup and an unknown key's, in ms."""
+    began = time.perf_counter()
+    await directory.start()
+    await directory.refresh()
+    opened = time.perf_counter()
+    first: list[float] = []
+    for key_hash in [client_hash, *samples]:
+        t0 = time.perf_counter()
+        found = await directory.lookup(key_hash)
+        first.append(time.perf_counter() - t0)
+        if found is None:
+            raise RuntimeError(f"a filled key is missing from the directory: {key_hash}")
+    t0 = time.perf_counter()
+    await directory.lookup(client_hash)
+    cached = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    await directory.lookup(hash_api_key(f"kvg-unknown-{uuid.uuid4()}"))
+    unknown = time.perf_counter() - t0
+    await directory.close()
+    first.sort()
+    return {
+        "open_ms": (opened - began) * 1e3,
+        "first_lookup_ms": first[len(first) // 2] * 1e3,
+        "cached_lookup_ms": cached * 1e3,
+        "unknown_lookup_ms": unknown * 1e3,
+    }
+
+
+def _sample_hashes(count: int) -> list[str]:
+    """A few of the bulk keys, spread over the store."""
+    step = max(count // 10, 1)
+    return [_bulk_key_hash(i) for i in range(0, count, step)][:10]
+
+
+def fill_sqlite_directory(path: Path, count: int, tenant: str) -> tuple[str, KeyStoreFill]:
+    """`count` keys in a new SQLite key file: the client's through `create`, the rest in one
+    transaction with the same schema. Returns the client's key and the fill's figures."""
+    path.unlink(missing_ok=True)
+
+    def directory() -> SqliteKeyDirectory:
+        return SqliteKeyDirectory(path, cache_entries=100_000, refresh_s=0.25)
+
+    async def create() -> tuple[str, str]:
+        made = directory()
+        new = await made.create(tenant)
+        await made.close()
+        return new.secret, new.record.key_hash
+
+    began = time.perf_counter()
+    secret, client_hash = asyncio.run(create())
+    fill = KeyStoreFill("embedded", count, 0.0)
+    fill.lookups["1 key"] = asyncio.run(directory_lookups(directory(), client_hash, []))
+    # The bulk rows: the created record's flat fields, with their own id and hash.
+    template = record_fields(KeyRecord(key_id="", key_hash="", tenant=tenant, created_at=0.0))
+    template["created_at"] = repr(time.time())
+    id_at, hash_at = FIELDS.index("key_id"), FIELDS.index("key_hash")
+
+    def rows() -> Iterator[list[str]]:
+        base = [template[name] for name in FIELDS]
+        for i in range(count - 1):
+            row = list(base)
+            row[id_at] = new_key_id()
+            row[hash_at] = _bulk_key_hash(i)
+            yield row
+
+    insert = f"INSERT INTO api_keys ({', '.join(FIELDS)}) VALUES ({', '.join('?' * len(FIELDS))})"
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA synchronous=OFF")  # this connection only: a bench file, rebuilt
+        # The three indexes take keys in random order: a page cache holding them all keeps
+        # the fill from rewriting pages (~280 MB file; this connection only, closed after).
+        db.execute("PRAGMA cache_size=-400000")
+        db.execute("BEGIN IMMEDIATE")
+        db.executemany(insert, rows())
+        db.execute("UPDATE generation SET value = value + 1 WHERE id = 1")
+        db.execute("COMMIT")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        db.close()
+    fill.fill_s = time.perf_counter() - began
+    fill.size_bytes = path.stat().st_size
+    fill.lookups[f"{count:,} keys"] = asyncio.run(
+        directory_lookups(directory(), client_hash, _sample_hashes(count - 1))
+    )
+    return secret, fill
+
+
+def fill_redis_directory(
+    url: str, key_prefix: str, count: int, tenant: str
+) -> tuple[str, KeyStoreFill]:
+    """`count` keys in the Redis key directory under `key_prefix`: the client's through
+    `create`, the rest pipelined (bench/keys_scale.py's layout)."""
+    import redis.asyncio as aioredis
+
+    from bench.keys_scale import write_keys
+    from kvgate.keys.redis_directory import RedisKeyDirectory
+    from kvgate.store.redis_store import hash_tag
+
+    tag = hash_tag(key_prefix)
+
+    async def with_directory(work: Callable[[RedisKeyDirectory], Awaitable[_T]]) -> _T:
+        client = aioredis.Redis.from_url(url)
+        try:
+            return await work(
+                RedisKeyDirectory(client, tag, cache_entries=100_000, refresh_s=0.25, timeout_s=5)
+            )
+        finally:
+            await client.aclose()
+
+    async def fill() -> tuple[str, KeyStoreFill]:
+        began = time.perf_counter()
+        made = await with_directory(lambda d: d.create(tenant))
+        client_hash = made.record.key_hash
+        result = KeyStoreFill("redis", count, 0.0)
+        result.lookups["1 key"] = await with_directory(
+            lambda d: directory_lookups(d, client_hash, [])
+        )
+        client = aioredis.Redis.from_url(url)
+        try:
+            memory_before = int((await client.info("memory"))["used_memory"])
+            await write_keys(client, tag, count - 1, tenant=tenant)
+            result.size_bytes = int((await client.info("memory"))["used_memory"]) - memory_before
+        finally:
+            await client.aclose()
+        result.fill_s = time.perf_counter() - began
+        result.lookups[f"{count:,} keys"] = await with_directory(
+            lambda d: directory_lookups(d, client_hash, _sample_hashes(count - 1))
+        )
+        return made.secret, result
+
+    return asyncio.run(fill())
 
 
 def redis_available(url: str) -> str | None:
@@ -187,11 +372,17 @@ class BenchStack:
         self.envoys: dict[str, EnvoyProcess] = {}
         self.arms: dict[str, Arm] = {}
         self.skipped: dict[str, str] = {}
+        # The keys arms: the client's key (from the directory) and how its store was filled.
+        self.directory_keys: dict[str, str] = {}
+        self.key_stores: dict[str, KeyStoreFill] = {}
+        self.directory_size = DIRECTORY_KEYS
 
     # ------------------------------------------------------------------ configs
 
-    def kvgate_config(self, store: str, *, key_prefix: str = "") -> dict[str, Any]:
-        """kvgate's config (the rig adds the listen addresses)."""
+    def kvgate_config(
+        self, store: str, *, key_prefix: str = "", keys: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """kvgate's config (the rig adds the listen addresses); `keys`: its keys section."""
         config: dict[str, Any] = {
             "store": store,
             "tenants": [
@@ -241,6 +432,8 @@ class BenchStack:
         }
         if store != "memory":
             config["redis"] = {"key_prefix": key_prefix or self.redis_prefix}
+        if keys is not None:
+            config["keys"] = keys
         return config
 
     def _litellm_config(self) -> Path:
@@ -273,8 +466,10 @@ class BenchStack:
         rig = self.rig
         sim = self._sim = rig.sim("vllm", self.sim_settings.options())
 
-        def kvgate(name: str, store: str, key_prefix: str = "") -> None:
-            config = self.kvgate_config(store, key_prefix=key_prefix)
+        def kvgate(
+            name: str, store: str, key_prefix: str = "", keys: dict[str, Any] | None = None
+        ) -> None:
+            config = self.kvgate_config(store, key_prefix=key_prefix, keys=keys)
             self.kvgates[name] = rig.kvgate(name, config, extra_args=self.kvgate_args)
 
         if want & {"kvgate", "kvgate-split"}:
@@ -294,6 +489,26 @@ class BenchStack:
                     kvgate(name, self.redis_url, key_prefix=f"{self.redis_prefix}-pair")
             else:
                 self.skipped["kvgate-redis-2"] = why
+        if "kvgate-keys" in want:
+            # As the kvgate arm (memory state store), the client's key in the embedded file.
+            path = self.work_dir / "keys.sqlite3"
+            print(f"  filling {path} with {self.directory_size:,} keys ...", flush=True)
+            secret, fill = fill_sqlite_directory(path, self.directory_size, DIRECTORY_TENANT)
+            self.directory_keys["kvgate-keys"], self.key_stores["kvgate-keys"] = secret, fill
+            kvgate("kvgate-keys", "memory", keys={"store": "embedded", "path": str(path)})
+        if "kvgate-keys-redis" in want:
+            why = redis_available(self.redis_url)
+            if why is None:
+                prefix = f"{self.redis_prefix}-keys"
+                print(f"  filling Redis {prefix} with {self.directory_size:,} keys ...", flush=True)
+                secret, fill = fill_redis_directory(
+                    self.redis_url, prefix, self.directory_size, DIRECTORY_TENANT
+                )
+                self.directory_keys["kvgate-keys-redis"] = secret
+                self.key_stores["kvgate-keys-redis"] = fill
+                kvgate("kvgate-keys-redis", self.redis_url, prefix, keys={"store": "redis"})
+            else:
+                self.skipped["kvgate-keys-redis"] = why
         noop = rig.noop_extproc() if "noop" in want else None
         litellm = self._start_litellm() if "litellm" in want else None
 
@@ -348,7 +563,8 @@ class BenchStack:
                 redis_pid = self._redis_pid()
                 if redis_pid is not None:
                     pids["redis"] = redis_pid
-            self.arms[arm] = Arm(arm, envoy.base_url, pids=pids)
+            key = self.directory_keys.get(arm, API_KEY)
+            self.arms[arm] = Arm(arm, envoy.base_url, api_key=key, pids=pids)
         if litellm is not None:
             proxy, url = litellm
             try:
@@ -481,7 +697,7 @@ class BenchStack:
 
     def stop(self) -> None:
         self.rig.stop()
-        if "kvgate-redis" in self.kvgates or PAIR[0] in self.kvgates:
+        if self.kvgates.keys() & {"kvgate-redis", PAIR[0], "kvgate-keys-redis"}:
             self._clean_redis()
 
     def _clean_redis(self) -> None:
