@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.interleaved --iterations 20,100k=4   # a quick pass (~5 min)
     .venv/bin/python -m bench.interleaved --cases 1k,stream --arms envoy,noop,kvgate,kvgate-redis
     .venv/bin/python -m bench.interleaved --kvgate-args="--log-level warning"
+    .venv/bin/python -m bench.interleaved --cases 1k --arms envoy,noop,kvgate,kvgate-keys
 
 Starts the stack of bench/stack.py (simulator, one Envoy per arm, kvgate, the no-op ext_proc)
 and sends ONE request at a time: arm A request 1, arm B request 1, arm C request 1, arm A
@@ -60,6 +61,14 @@ the API cases as their chat case); `--arms envoy,noop,kvgate[,kvgate-redis]` (Re
 (default var/bench/interleaved-<date>). It writes `interleaved.csv` (one row per request),
 `interleaved-gaps.csv` (every inter-token gap) and `interleaved.md` (the tables and the
 targets), and keeps the processes' logs in DIR/stack/logs.
+
+API keys as data: `--arms ...,kvgate-keys` adds kvgate exactly as the kvgate arm but with the
+client's key not in the YAML: one of 1,000,000 keys (`--directory-keys`) in the embedded key
+directory (a SQLite file in DIR/stack, filled before kvgate starts, ~20 s);
+`kvgate-keys-redis` the same in the Redis directory beside kvgate-redis (asked for by name:
+1M keys take ~300 MB of that Redis while the run lasts). The report then shows each keys
+arm's added p50 and CPU per request beside its reference arm's (kvgate, or kvgate-redis) and
+the ratio, and the directory's fill and lookup times.
 """
 
 from __future__ import annotations
@@ -97,7 +106,15 @@ from bench.cpu import process_cpu_seconds, threads_cpu_seconds
 from bench.loadgen import _StreamClock
 from bench.prompts import prompt_text
 from bench.provenance import git_output
-from bench.stack import MODEL, REPO_ROOT, Arm, BenchStack, SimSettings
+from bench.stack import (
+    DIRECTORY_KEYS,
+    MODEL,
+    REPO_ROOT,
+    Arm,
+    BenchStack,
+    KeyStoreFill,
+    SimSettings,
+)
 from bench.stats import percentile
 from vllm_sim.tokenization import SINGLE_TOKEN_WORDS
 
@@ -116,7 +133,18 @@ COMPARED_APIS = (*OTHER_APIS, "embeddings")
 CASES = CHAT_CASES + API_CASES
 DEFAULT_ITERATIONS = {"1k": 200, "conversation": 20, "100k": 8, "stream": 100}
 DEFAULT_ITERATIONS |= {case: DEFAULT_ITERATIONS[case.split("-")[0]] for case in API_CASES}
-ALLOWED_ARMS = ("direct", "envoy", "noop", "kvgate", "kvgate-redis")
+# New arms go last: an arm's index is part of its prompts' markers (the same length in all).
+ALLOWED_ARMS = (
+    "direct",
+    "envoy",
+    "noop",
+    "kvgate",
+    "kvgate-redis",
+    "kvgate-keys",
+    "kvgate-keys-redis",
+)
+# The keys arms and the arm each is compared with (the same kvgate, the key in the YAML).
+KEYS_ARM_REFERENCES = {"kvgate-keys": "kvgate", "kvgate-keys-redis": "kvgate-redis"}
 REFERENCE = "envoy"
 NOOP = "noop"
 
@@ -705,6 +733,53 @@ def api_table(
     return "\n".join(lines)
 
 
+def keys_tables(
+    stats: dict[str, dict[str, ArmStats]],
+    paired: dict[str, dict[str, float]],
+    arms: list[str],
+    stores: dict[str, KeyStoreFill],
+) -> str:
+    """The keys arms beside their reference arm (the key in the YAML): added p50 (plain and
+    paired) and gateway CPU per request, each with the ratio keys / reference; then how each
+    directory was filled and what a lookup on it costs outside kvgate."""
+    lines = [
+        "| case | arm | reference | added p50 ms | ref. | ratio | paired added p50 ms | ref. "
+        "| ratio | gateway CPU ms/req | ref. | ratio |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm, ref in KEYS_ARM_REFERENCES.items():
+        if arm not in arms:
+            continue
+        if ref not in arms:
+            ref = "kvgate"
+        for case in stats:
+            pair = paired.get(case, {})
+            added, ref_added = _added(stats, case, arm), _added(stats, case, ref)
+            pair_arm, pair_ref = pair.get(arm, math.nan), pair.get(ref, math.nan)
+            cpu, ref_cpu = _cpu(stats, case, arm), _cpu(stats, case, ref)
+            lines.append(
+                f"| {case} | {arm} | {ref} | {fmt(added)} | {fmt(ref_added)} "
+                f"| {fmt(_ratio(added, ref_added))} | {fmt(pair_arm)} | {fmt(pair_ref)} "
+                f"| {fmt(_ratio(pair_arm, pair_ref))} | {fmt(cpu, 3)} | {fmt(ref_cpu, 3)} "
+                f"| {fmt(_ratio(cpu, ref_cpu))} |"
+            )
+    lines += [
+        "",
+        "| arm | store | keys | fill s | store size MB | directory with | open ms "
+        "| first lookup ms (median) | cached lookup ms | unknown key ms |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for arm, fill in stores.items():
+        size = fmt(fill.size_bytes / 1e6, 0) if fill.size_bytes is not None else "n/a"
+        for label, ms in fill.lookups.items():
+            lines.append(
+                f"| {arm} | {fill.store} | {fill.keys:,} | {fmt(fill.fill_s, 1)} | {size} "
+                f"| {label} | {fmt(ms['open_ms'], 3)} | {fmt(ms['first_lookup_ms'], 3)} "
+                f"| {fmt(ms['cached_lookup_ms'], 4)} | {fmt(ms['unknown_lookup_ms'], 3)} |"
+            )
+    return "\n".join(lines)
+
+
 def targets_table(stats: dict[str, dict[str, ArmStats]], arms: list[str]) -> str:
     lines = [
         "| target | arm | measured | limit | met | margin |",
@@ -847,6 +922,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--kvgate-args", default="", help="extra `kvgate serve` arguments")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--directory-keys",
+        type=int,
+        default=DIRECTORY_KEYS,
+        help="keys in the keys arms' directory (the client's among them)",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="unrecorded steps per case")
     parser.add_argument(
         "--sequential",
@@ -888,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
         sim=SimSettings(ttft_ms=0.0, itl_ms=0.0),
         kvgate_args=tuple(shlex.split(args.kvgate_args)),
     )
+    stack.directory_size = max(args.directory_keys, 1)
     bodies = Bodies(f"{os.getpid():x}{int(time.time()) % 100000:x}")
     runs: list[CaseRun] = []
     pause_s = args.pause_ms / 1e3
@@ -1009,6 +1091,24 @@ def main(argv: list[str] | None = None) -> int:
             "request shape. A ratio of added p50s is n/a when either is <= 0 (below what the "
             "run resolves).\n\n"
             f"{api_table(stats, paired, prompt_tokens, live)}\n"
+        )
+    if any(a in KEYS_ARM_REFERENCES for a in live):
+        sections.append(
+            f"## API keys as data: the client's key one of {stack.directory_size:,} in the key "
+            "directory, beside the key in the YAML\n\n"
+            "Each keys arm is kvgate exactly as its reference arm (kvgate: memory state "
+            "store, embedded SQLite key file; kvgate-redis: the Redis directory) except that "
+            "the client's key is not in the YAML but one of the directory's keys; the "
+            "reference's key is in the YAML (3 tenants' keys there). The warm-up sends the "
+            "first request, so the measured ones find the key in kvgate's lookup cache; the "
+            "generation poll (one store read per 0.25 s) runs throughout. Ratio: keys arm / "
+            "reference (n/a when either is <= 0).\n\n"
+            "The second table: the directory's store filled before kvgate started (one key "
+            "through the directory's `create`, the rest written in bulk), and a directory "
+            "opened on it in the bench process, with only that key and with all: open (start "
+            "and the first generation read), the first lookup of stored keys, a cached lookup, "
+            "an unknown key's.\n\n"
+            f"{keys_tables(stats, paired, live, stack.key_stores)}\n"
         )
     skipped = "".join(f"\nSkipped arm {a}: {why}." for a, why in stack.skipped.items())
     dirty = " + uncommitted src/ changes" if git_output("status", "--porcelain", "src") else ""
