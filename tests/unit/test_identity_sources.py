@@ -129,6 +129,24 @@ def test_the_token_team_claim_is_read() -> None:
     assert found is not None and found.team == "search"
 
 
+@pytest.mark.parametrize(
+    "claims",
+    [
+        {"tenant": "team-a", "sub": "u" * 257},
+        {"tenant": "team-a", "team": "t" * 257},
+        {"tenant": "team-a", "sub": "nul\x00in"},
+    ],
+)
+def test_a_user_or_team_name_too_long_to_be_a_scope_is_refused(claims: dict[str, Any]) -> None:
+    """Each name becomes a limit scope and a record field: bounded, or the caller is
+    refused (401), never stored."""
+    with pytest.raises(IdentityRefused):
+        caller(request(token=claims))
+    with pytest.raises(IdentityRefused):
+        caller(request(ext_authz={**claims, "user": claims.get("sub", "ok")}))
+    assert caller(request(token={"tenant": "team-a", "sub": "u" * 256})) is not None
+
+
 def test_the_ext_authz_identity_beats_an_api_key_and_the_certificate() -> None:
     found = caller(request(ext_authz={"tenant": "team-b"}, spiffe=AGENT), api_key="sk-k")
     assert found is not None and found.source == "ext_authz"

@@ -106,6 +106,21 @@ def _claim(payload: dict[str, Any], path: str) -> Any:
     return value
 
 
+# A user's or team's name becomes a limit scope (its own buckets, its own ledger) and a
+# field of every record: a claim longer than this, or holding a NUL, names nobody.
+MAX_NAME_CHARS = 256
+
+
+def _level_name(value: Any, what: str) -> str | None:
+    """A user or team name from a claim: None when absent or not a string; refused when it
+    is too long or holds a NUL (``IdentityRefused``)."""
+    if not isinstance(value, str):
+        return None
+    if len(value) > MAX_NAME_CHARS or "\x00" in value:
+        raise IdentityRefused(f"the {what} is longer than {MAX_NAME_CHARS} characters or has a NUL")
+    return value
+
+
 def caller_from_token(
     payload: dict[str, Any], jwt: JwtIdentityConfig, tenants: Mapping[str, Any]
 ) -> Caller:
@@ -119,9 +134,9 @@ def caller_from_token(
     team = _claim(payload, jwt.team_claim) if jwt.team_claim else None
     return Caller(
         tenant=tenant,
-        user=user if isinstance(user, str) else None,
+        user=_level_name(user, "user claim"),
         source=JWT,
-        team=team if isinstance(team, str) else None,
+        team=_level_name(team, "team claim"),
     )
 
 
@@ -147,9 +162,9 @@ def caller_from_ext_authz(
     team = metadata.get(ext_authz.team_key) if ext_authz.team_key else None
     return Caller(
         tenant=tenant,
-        user=user if isinstance(user, str) else None,
+        user=_level_name(user, "ext_authz user"),
         source=EXT_AUTHZ,
-        team=team if isinstance(team, str) else None,
+        team=_level_name(team, "ext_authz team"),
     )
 
 
