@@ -75,6 +75,9 @@ def envoy_config_with_route_settings() -> dict[str, Any]:
     # The same with a header the allow-list does not have: kvgate cannot remove it.
     leaky = {"x-kvgate-route-key-header": "team-key"}
     vhosts.insert(0, with_route_settings("leaky.local", leaky, catch_all))
+    # A route for workloads the mesh identifies: an API key is not accepted there.
+    mesh_only = {"x-kvgate-route": "mesh", "x-kvgate-route-identity-sources": "jwt, spiffe"}
+    vhosts.insert(0, with_route_settings("mesh.local", mesh_only, catch_all))
     for http_filter in hcm["http_filters"]:
         if http_filter["name"] == "envoy.filters.http.ext_proc":
             rules = http_filter["typed_config"]["mutation_rules"]["allow_expression"]
@@ -270,3 +273,13 @@ def test_a_key_header_kvgate_may_not_remove_fails_closed(stack: Stack) -> None:
     assert resp.status_code >= 500, resp.text
     assert "error" in resp.json()
     assert len(_sim_requests(stack)) == before
+
+
+def test_a_mesh_only_route_refuses_an_api_key(stack: Stack) -> None:
+    served = served_count(stack)
+    refused = post(stack, "mesh.local", TEAM_A_KEY)
+    assert refused.status_code == 401, refused.text
+    assert refused.json()["error"]["code"] == "unknown_identity"
+    # The same key on the default route is a valid key.
+    assert post(stack, "localhost", TEAM_A_KEY).status_code == 200
+    assert served_count(stack) == served + 1
