@@ -7,7 +7,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NoReturn
 
 import grpc
@@ -390,15 +390,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         context: grpc.aio.ServicerContext[admin_pb2.GetKeyRequest, admin_pb2.ApiKey],
     ) -> admin_pb2.ApiKey:
         keys = await self._keys(context)
-        key_id = await self._key_id(request.key_id, context)
-        try:
-            record = await keys.get(key_id)
-        except Exception as exc:
-            await self._unavailable(context, exc)
-        if record is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no key '{key_id}'")
-        assert record is not None
-        return api_key_message(record, time.time())
+        return await self._one_key(request.key_id, keys.get, context)
 
     async def ListKeys(
         self,
@@ -435,10 +427,19 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         context: grpc.aio.ServicerContext[admin_pb2.RevokeKeyRequest, admin_pb2.ApiKey],
     ) -> admin_pb2.ApiKey:
         keys = await self._keys(context)
-        key_id = await self._key_id(request.key_id, context)
+        return await self._one_key(request.key_id, keys.revoke, context)
+
+    async def _one_key(
+        self,
+        key_id: str,
+        action: Callable[[str], Awaitable[KeyRecord | None]],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> admin_pb2.ApiKey:
+        """``action`` (read, revoke) on one key by id: its record, or NOT_FOUND."""
+        key_id = await self._key_id(key_id, context)
         try:
-            record = await keys.revoke(key_id)
-        except Exception as exc:
+            record = await action(key_id)
+        except Exception as exc:  # the store's own errors, whatever the store
             await self._unavailable(context, exc)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no key '{key_id}'")
