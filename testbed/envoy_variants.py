@@ -131,6 +131,26 @@ JWT_AUTHN = "envoy.filters.http.jwt_authn"
 _TYPE_URL = "type.googleapis.com/"
 
 
+def _before_ext_proc(config: dict[str, Any], http_filter: dict[str, Any]) -> None:
+    """``http_filter`` just before ext_proc in every connection manager, and its dynamic
+    metadata namespace (the filter's name) forwarded to kvgate."""
+    for hcm in _connection_managers(config):
+        filters = hcm.get("http_filters")
+        if not filters:
+            continue
+        at = next(
+            i
+            for i, f in enumerate(filters)
+            if EXTPROC_FILTER_TYPE in f.get("typed_config", {}).get("@type", "")
+        )
+        filters.insert(at, copy.deepcopy(http_filter))
+    for ext_proc in _extproc_filters(config):
+        options = ext_proc.setdefault("metadata_options", {})
+        options.setdefault("forwarding_namespaces", {}).setdefault("untyped", []).append(
+            http_filter["name"]
+        )
+
+
 def verify_jwt(path: Path, *, issuer: str, jwks_file: Path, payload_key: str) -> Path:
     """jwt_authn before ext_proc on every listener: a request with a token must carry a valid
     one (Envoy answers 401 otherwise), one without passes (an API key then decides); the
@@ -162,21 +182,7 @@ def verify_jwt(path: Path, *, issuer: str, jwks_file: Path, payload_key: str) ->
     }
 
     def change(config: dict[str, Any]) -> None:
-        for hcm in _connection_managers(config):
-            filters = hcm.get("http_filters")
-            if not filters:
-                continue
-            at = next(
-                i
-                for i, f in enumerate(filters)
-                if EXTPROC_FILTER_TYPE in f.get("typed_config", {}).get("@type", "")
-            )
-            filters.insert(at, copy.deepcopy(jwt_filter))
-        for ext_proc in _extproc_filters(config):
-            options = ext_proc.setdefault("metadata_options", {})
-            options.setdefault("forwarding_namespaces", {}).setdefault("untyped", []).append(
-                JWT_AUTHN
-            )
+        _before_ext_proc(config, jwt_filter)
 
     return _edit(path, change)
 
@@ -246,21 +252,7 @@ def check_ext_authz(path: Path, *, port: int) -> Path:
     }
 
     def change(config: dict[str, Any]) -> None:
-        for hcm in _connection_managers(config):
-            filters = hcm.get("http_filters")
-            if not filters:
-                continue
-            at = next(
-                i
-                for i, f in enumerate(filters)
-                if EXTPROC_FILTER_TYPE in f.get("typed_config", {}).get("@type", "")
-            )
-            filters.insert(at, copy.deepcopy(authz_filter))
-        for ext_proc in _extproc_filters(config):
-            options = ext_proc.setdefault("metadata_options", {})
-            options.setdefault("forwarding_namespaces", {}).setdefault("untyped", []).append(
-                EXT_AUTHZ
-            )
+        _before_ext_proc(config, authz_filter)
         config["static_resources"]["clusters"].append(cluster)
 
     return _edit(path, change)
