@@ -10,16 +10,15 @@ changes another process (another kvgate on the same file) made.
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 from kvgate.keys.directory import FIELDS, CachedDirectory, record_fields, record_from_fields
 from kvgate.keys.records import KeyRecord
+from kvgate.sqlite_thread import SqliteThread
 
 _T = TypeVar("_T")
 
@@ -68,18 +67,17 @@ class SqliteKeyDirectory(CachedDirectory):
         super().__init__(cache_entries=cache_entries, refresh_s=refresh_s, now=now)
         self.path = path
         self._busy_timeout_s = busy_timeout_s
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keys-sqlite")
-        self._db: sqlite3.Connection | None = None
+        self._sqlite = SqliteThread("keys-sqlite")
 
     async def _run(self, work: Callable[[], _T]) -> _T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, work)
+        return await self._sqlite.run(work)
 
     # ------------------------------------------------------------------ on the worker thread
 
     def _connect(self, *, create: bool) -> sqlite3.Connection | None:
         """The connection; None when the file does not exist and ``create`` is false."""
-        if self._db is not None:
-            return self._db
+        if self._sqlite.db is not None:
+            return self._sqlite.db
         if not create and not self.path.exists():
             return None
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +86,7 @@ class SqliteKeyDirectory(CachedDirectory):
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")  # a key the CLI was shown is on disk
         self._migrate(db)
-        self._db = db
+        self._sqlite.db = db
         return db
 
     def _migrate(self, db: sqlite3.Connection) -> None:
@@ -228,10 +226,4 @@ class SqliteKeyDirectory(CachedDirectory):
         return await self._run(read)
 
     async def _close_store(self) -> None:
-        def close() -> None:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-
-        await self._run(close)
-        self._thread.shutdown(wait=True)
+        await self._sqlite.close()

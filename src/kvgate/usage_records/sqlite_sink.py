@@ -6,15 +6,14 @@ loop only awaits it. Commits are ``synchronous=FULL``: a batch the spool removed
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvgate.sqlite_thread import SqliteThread
 from kvgate.usage_records.record import AnswerSource, UsageRecord
 from kvgate.usage_records.schema import (
     COLUMNS,
@@ -51,23 +50,22 @@ class SqliteSink(RecordSink):
     def __init__(self, path: Path, *, busy_timeout_s: float = 10.0) -> None:
         self.path = path
         self._busy_timeout_s = busy_timeout_s
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-sqlite")
-        self._db: sqlite3.Connection | None = None
+        self._sqlite = SqliteThread("usage-sqlite")
         self._migrated = False
 
     async def _run(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, work)
+        return await self._sqlite.run(work)
 
     def _connect(self, up_to: int = LATEST) -> sqlite3.Connection:
-        if self._db is None:
+        if self._sqlite.db is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, timeout=self._busy_timeout_s, isolation_level=None)
             db.row_factory = sqlite3.Row
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
-            self._db = db
-        self._migrate(self._db, up_to)
-        return self._db
+            self._sqlite.db = db
+        self._migrate(self._sqlite.db, up_to)
+        return self._sqlite.db
 
     def _version(self, db: sqlite3.Connection) -> int:
         db.execute(SCHEMA_VERSION_SQLITE)
@@ -100,10 +98,10 @@ class SqliteSink(RecordSink):
 
     async def schema_version(self) -> int:
         def version() -> int:
-            if self._db is None:
-                self._db = sqlite3.connect(self.path, isolation_level=None)
-                self._db.row_factory = sqlite3.Row
-            return self._version(self._db)
+            if self._sqlite.db is None:
+                self._sqlite.db = sqlite3.connect(self.path, isolation_level=None)
+                self._sqlite.db.row_factory = sqlite3.Row
+            return self._version(self._sqlite.db)
 
         return await self._run(version)
 
@@ -146,13 +144,7 @@ class SqliteSink(RecordSink):
         return await self._run(read)
 
     async def close(self) -> None:
-        def close() -> None:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-
-        await self._run(close)
-        self._thread.shutdown(wait=True)
+        await self._sqlite.close()
 
 
 def _where(query: RecordQuery) -> tuple[str, list[Any]]:
