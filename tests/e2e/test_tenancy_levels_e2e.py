@@ -7,13 +7,16 @@ and the tenant's usage report answers per level.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from testbed.harness import DEFAULT_MODEL_NAME, default_models
+from testbed.harness import DEFAULT_MODEL_NAME, default_models, wait_until
 from tests.e2e.identity_support import ISSUER, PAYLOAD_KEY, JwtStack, Signer
 
 TENANT = "acme"
@@ -50,13 +53,20 @@ def signer(tmp_path_factory: pytest.TempPathFactory) -> Signer:
 
 
 @pytest.fixture(scope="module")
-def stack(signer: Signer) -> Iterator[JwtStack]:
+def stack(signer: Signer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[JwtStack]:
+    records = tmp_path_factory.mktemp("records")
     with JwtStack(
         signer,
         tenants=TENANTS,
         models=_models(),
         kvgate_overrides={
             "keys": {"store": "off"},
+            "usage_records": {
+                "sink": "sqlite",
+                "sqlite_path": str(records / "records.sqlite3"),
+                "spool_dir": str(records / "spool"),
+                "flush_interval_s": 0.1,
+            },
             "identity": {
                 "jwt": {
                     "payload_key": PAYLOAD_KEY,
@@ -166,3 +176,43 @@ def test_the_usage_report_and_the_access_log_answer_per_level(
     # Carol's spend is part of her team's (others of ops spent too).
     assert 0 < float(carol["cost_usd"]) < float(ops["cost_usd"])
     assert "budget_usd" not in ops
+    # The request's usage record names the team and the user.
+    record = wait_until(
+        lambda: _record(stack, "levels-report-1"),
+        lambda found: found is not None,
+        timeout=30,
+        interval=0.3,
+    )
+    assert record is not None
+    assert (record["tenant"], record["team_id"], record["user_id"], record["key_id"]) == (
+        TENANT,
+        "ops",
+        "carol",
+        None,
+    )
+
+
+def _record(stack: JwtStack, request_id: str) -> dict[str, Any] | None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvgate.cli",
+            "records",
+            "--config",
+            str(stack.kvgate_config_path),
+            "--format",
+            "jsonl",
+            "--tenant",
+            TENANT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for line in done.stdout.splitlines():
+        record: dict[str, Any] = json.loads(line)
+        if record["request_id"] == request_id:
+            return record
+    return None
