@@ -13,9 +13,17 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from bench.config_scale import generate_config
-from kvgate.config import ConfigError, compile_snapshot, load_config, parse_config
+from kvgate.config import (
+    ConfigError,
+    KvgateConfig,
+    compile_snapshot,
+    load_config,
+    model,
+    parse_config,
+)
 from kvgate.config.model import gc_paused, read_yaml
 from kvgate.config.snapshot import RuntimeSnapshot
 
@@ -66,6 +74,8 @@ TRICKY = [
     "k: 1:30\n",
     "k: 1e3\n",
     "k: 1.0e3\n",
+    "k: 0E_0\n",
+    "k: [1_e3, .5e3]\n",
     "k: -.5\n",
     "k: +.5  # a comment\n",
     "k: 2024-01-15\n",
@@ -318,3 +328,150 @@ def test_an_incremental_compile_equals_a_full_one(
         compile_snapshot(parse_config(_raw(edited)), previous),
         compile_snapshot(parse_config(_raw(edited))),
     )
+
+
+def _at_once(raw: dict[str, Any]) -> str:
+    """The message of `raw` validated as one KvgateConfig, the reference for its errors."""
+    try:
+        KvgateConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [
+            "  "
+            + (".".join(str(p) for p in e["loc"]) or "(top level)")
+            + ": "
+            + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        ]
+        return "<config>: invalid configuration\n" + "\n".join(lines)
+    return "valid"
+
+
+def _message(raw: dict[str, Any]) -> str:
+    try:
+        parse_config(raw)
+    except ConfigError as exc:
+        return str(exc)
+    return "valid"
+
+
+BROKEN_CONFIGS: list[dict[str, Any]] = [
+    # Errors in tenants of several chunks, beside errors in the sections around them.
+    {
+        **_raw(_fleet(9)),
+        "server": {"grpc_listen": "nowhere"},
+        "bogus": 1,
+        "tenants": [
+            *_fleet(4),
+            {"name": "bad name!", "limits": {"rpm": 0}},
+            *_fleet(2),
+            "not a tenant",
+            {"name": "x", "api_key_sha256": "KEY", "tiers": 1},
+        ],
+        "backends": [{"name": "b"}],
+    },
+    # Tenant errors alone: no check across sections runs, as when validated at once.
+    {**_raw([{"name": "a", "limits": {"rpm": -1}}]), "store": "memory"},
+    # Valid tenants, the checks across them fail: named at the tenant's index.
+    _raw([*_fleet(5), {"name": "late", "model_limits": {"m9": {"rpm": 1}}}]),
+    _raw([*_fleet(5), {"name": "t1", "api_key_sha256": _key("z")}]),
+    {**_raw(_fleet(3)), "tenants": None},
+    {key: value for key, value in _raw(_fleet(3)).items() if key != "tenants"},
+]
+
+
+@pytest.mark.parametrize("raw", BROKEN_CONFIGS)
+def test_tenants_validated_in_chunks_are_reported_as_at_once(
+    raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model, "TENANT_CHUNK", 2)
+    expected = _at_once(raw)
+    assert expected != "valid"
+    assert _message(raw) == expected
+
+
+def test_a_tenant_error_is_located_at_its_index_in_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model, "TENANT_CHUNK", 3)
+    text = generate_config(10).replace("name: tenant-000007", "name: tenant-000007\n    tier: 1")
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert model._read_in_chunks(text) is not None
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert str(raised.value) == (
+        f"{path}: invalid configuration\n  tenants.7.tier: Extra inputs are not permitted"
+    )
+
+
+FLEET_HEAD = """\
+backends:
+  - name: b
+    kv_budget_tokens: 100000
+models:
+  - {name: m1, tokenizer: t, backend: b, max_context: 4096, default_max_new_tokens: 64}
+"""
+# Tenant sections as people write them, and ones a chunk boundary would cut wrongly.
+TENANT_SECTIONS = [
+    "tenants:\n"
+    + "".join(f"  - name: t{i}\n    api_key_sha256: {_key(str(i))}\n" for i in range(7)),
+    "tenants:  # the fleet\n\n"
+    + "".join(f"- name: t{i}\n  api_key_sha256: {_key(str(i))}\n# t{i} done\n" for i in range(7)),
+    "tenants:\n"
+    + "".join(
+        f"    -   name: t{i}\n        api_key_sha256:\n        - {_key(str(i))}\n"
+        f"        limits: {{rpm: {i + 1},\n  tpm: 100}}\n"
+        for i in range(7)
+    )
+    + "tracing: {}\n",
+    # A quoted name spanning lines, one line of it looking like the next tenant.
+    "tenants:\n"
+    f'  - name: t0\n    api_key_sha256: {_key("0")}\n    teams: {{"x\n  - y": {{}}}}\n'
+    + "".join(f"  - name: t{i}\n    api_key_sha256: {_key(str(i))}\n" for i in range(1, 5)),
+    # A block scalar with a line like an item, more indented.
+    "tenants:\n"
+    + "".join(
+        f"  - name: t{i}\n    api_key_sha256: {_key(str(i))}\n    users:\n      u: |\n"
+        "        - not a tenant\n"
+        for i in range(4)
+    ),
+    # Not a block sequence of tenants: read whole.
+    "tenants: []\n",
+    "tenants:\n  bogus: 1\n",
+]
+
+
+@pytest.mark.parametrize("section", TENANT_SECTIONS)
+@pytest.mark.parametrize("chunk", [1, 2, 1000])
+def test_tenants_read_in_chunks_read_as_the_whole_file(
+    section: str, chunk: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model, "TENANT_CHUNK", chunk)
+    text = FLEET_HEAD + section
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text, encoding="utf-8")
+    try:  # the file read whole, as load_config did before it read tenants in chunks
+        expected = parse_config(read_yaml(text), str(path))
+    except ConfigError as exc:
+        with pytest.raises(ConfigError) as raised:
+            load_config(path)
+        assert str(raised.value) == str(exc)
+        return
+    assert load_config(path) == expected
+
+
+def test_a_fleet_is_read_in_chunks() -> None:
+    text = generate_config(30)
+    in_chunks = model._read_in_chunks(text)
+    assert in_chunks is not None
+    rest, chunks = in_chunks
+    tenants = [tenant for chunk in chunks for tenant in chunk]
+    assert typed({**rest, "tenants": tenants}) == typed(pyyaml(text))
+
+
+def test_tenants_first_in_the_file_are_read_in_chunks_too() -> None:
+    text = "tenants:\n" + generate_config(5).split("tenants:\n")[1] + FLEET_HEAD
+    in_chunks = model._read_in_chunks(text)
+    assert in_chunks is not None
+    rest, chunks = in_chunks
+    assert typed({**rest, "tenants": [t for c in chunks for t in c]}) == typed(pyyaml(text))
