@@ -253,12 +253,13 @@ async def test_a_settle_of_an_expired_lease_charges_the_levels(
     assert usage.level_spent_pico == {("@team:research", day): 7}
 
 
+@pytest.mark.parametrize("make_store", ["redis", "redis-cluster"], indirect=True)
 async def test_redis_level_scopes_expire_when_idle_and_never_while_in_flight(
     make_store: StoreFactory,
 ) -> None:
+    """The Redis keys of level scopes (the memory store's pruning: test_level_state.py)."""
     store = make_store()
-    if not isinstance(store, RedisStore):
-        pytest.skip("the Redis keys of level scopes")
+    assert isinstance(store, RedisStore)
     policy = caller(user(limits=ScopeLimits(rpm=rpm(60), concurrency=ConcurrencyRule(2))))
     scope = f"{store.key_tag}:ls|t|@user:bob"
     held = await admitted(store, req(10, 10, rid="a", cost=5), policy)
