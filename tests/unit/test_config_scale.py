@@ -171,6 +171,8 @@ def test_equal_sections_of_tenants_are_one_object() -> None:
     assert c.limits is not a.limits  # another raw shape: validated on its own
     snapshot = compile_snapshot(config)
     assert snapshot.tenants["a"].limits is snapshot.tenants["b"].limits
+    assert snapshot.priorities["a"] is snapshot.priorities["c"]  # one default class
+    assert snapshot.priorities["a"] == (0, frozenset())
 
 
 def test_a_shared_bad_section_is_reported_at_every_tenant() -> None:

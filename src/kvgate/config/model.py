@@ -57,14 +57,24 @@ _SHARED_SECTIONS: ContextVar[dict[Hashable, Any] | None] = ContextVar(
 )
 
 
+# Scalars a YAML reader gives, keyed by their exact type (subclasses take the long way).
+_SCALAR_TYPES = frozenset({str, int, float, bool, type(None)})
+
+
 def _raw_key(value: Any) -> Hashable | None:
     """A key equal only for raw values that validate alike: each scalar's type is part of
     it (1, 1.0 and True are equal in Python, not to pydantic). None: not keyable."""
     if isinstance(value, dict):
         items: list[Hashable] = []
         for key, item in value.items():
+            if not isinstance(key, str):
+                return None
+            item_type = type(item)
+            if item_type in _SCALAR_TYPES:  # most values: no call (a third of the time)
+                items.append((key, item_type, item))
+                continue
             item_key = _raw_key(item)
-            if item_key is None or not isinstance(key, str):
+            if item_key is None:
                 return None
             items.append((key, item_key))
         return (dict, tuple(items))

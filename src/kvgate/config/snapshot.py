@@ -79,12 +79,22 @@ class _Compiler:
     budgets between tenants (kvgate.config.model), so a fleet of tenants on a few tiers
     compiles a few ScopeLimits and budget rules, each shared by every tenant of its tier."""
 
-    __slots__ = ("_budgets", "_scopes")
+    __slots__ = ("_budgets", "_priorities", "_scopes")
 
     def __init__(self) -> None:
         # By id(): the config holding the sections outlives the compile.
         self._scopes: dict[int, ScopeLimits] = {}
         self._budgets: dict[int, tuple[BudgetRule, ...]] = {}
+        # By value: almost every tenant has the default class, one tuple for all of them
+        # (a tuple and a frozenset each would be a quarter of a large snapshot's memory).
+        self._priorities: dict[tuple[int, tuple[int, ...]], tuple[int, frozenset[int]]] = {}
+
+    def priority(self, tenant: TenantConfig) -> tuple[int, frozenset[int]]:
+        key = (tenant.priority, tuple(tenant.allowed_priorities))
+        priority = self._priorities.get(key)
+        if priority is None:
+            priority = self._priorities[key] = (tenant.priority, frozenset(key[1]))
+        return priority
 
     def scope(self, limits: LimitsConfig) -> ScopeLimits:
         scope = self._scopes.get(id(limits))
@@ -247,7 +257,7 @@ def _compile_tenants(tenants: list[TenantConfig], previous: RuntimeSnapshot | No
             parts.reused += 1
         else:
             policy = compiler.tenant_policy(tenant)
-            priority = (tenant.priority, frozenset(tenant.allowed_priorities))
+            priority = compiler.priority(tenant)
             levels = compiler.tenant_levels(tenant)
         parts.configs.append(tenant)
         value = tenant.api_key_sha256
