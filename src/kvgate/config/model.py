@@ -1323,14 +1323,15 @@ class KvgateConfig(_Strict):
                 raise ValueError(
                     f"identity.spiffe.tenants: {spiffe_id!r} names '{name}', not a tenant"
                 )
+        # Whether a tenant without a key is unreachable depends on it only by spiffe.
+        no_other_source = (
+            self.identity.jwt is None
+            and self.identity.ext_authz is None
+            and self.keys.store == "off"
+        )
         for i, tenant in enumerate(self.tenants):
-            unreachable = (
-                self.identity.jwt is None
-                and self.identity.ext_authz is None
-                and tenant.name not in spiffe_tenants
-                and self.keys.store == "off"
-            )
-            if not tenant.key_hashes and unreachable:
+            unreachable = no_other_source and tenant.name not in spiffe_tenants
+            if not tenant.api_key_sha256 and unreachable:
                 raise ValueError(
                     f"tenants.{i}.api_key_sha256: '{tenant.name}' has no API key, and no "
                     "identity source (identity.jwt, identity.ext_authz, identity.spiffe, keys) can "
@@ -1342,11 +1343,14 @@ class KvgateConfig(_Strict):
                     raise ValueError(
                         f"tenants.{i}.model_limits: '{name}' is not a configured model"
                     )
-            levels = [
-                *(("teams", name, level) for name, level in tenant.teams.items()),
-                *(("users", name, level) for name, level in tenant.users.items()),
-                *([("user_limits", None, tenant.user_limits)] if tenant.user_limits else []),
-            ]
+            if not (tenant.teams or tenant.users or tenant.user_limits):
+                levels = []  # most tenants (no need to build the list)
+            else:
+                levels = [
+                    *(("teams", name, level) for name, level in tenant.teams.items()),
+                    *(("users", name, level) for name, level in tenant.users.items()),
+                    *([("user_limits", None, tenant.user_limits)] if tenant.user_limits else []),
+                ]
             for section, level_name, level in levels:
                 where = f"tenants.{i}.{section}" + (f".{level_name}" if level_name else "")
                 for name in level.models or ():
