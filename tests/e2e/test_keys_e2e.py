@@ -251,3 +251,69 @@ def test_a_burst_across_many_keys_never_overshoots_their_tenants_limit(
     statuses = asyncio.run(_burst(stack, keys, per_key=2))
     assert statuses.count(200) == BURST_RPM, statuses
     assert statuses.count(429) == len(statuses) - BURST_RPM
+
+
+def test_the_operator_reads_the_spend_of_a_team_and_a_key(
+    stack: RedisStack, admin: admin_pb2_grpc.AdminStub
+) -> None:
+    made = admin.CreateKey(
+        admin_pb2.CreateKeyRequest(
+            tenant=TENANT,
+            team="research",
+            limits_json='{"budget": {"monthly_usd": "5"}}',
+        ),
+        timeout=5,
+    )
+    answer = wait_until(
+        lambda: _chat(stack, made.secret),
+        lambda reply: reply.status_code == 200,
+        timeout=PROPAGATION_DEADLINE_S,
+    )
+    usage = answer.json()["usage"]
+    cost = (usage["prompt_tokens"] * 2 + usage["completion_tokens"] * 6) / 1_000_000
+    report = wait_until(
+        lambda: admin.GetTenantUsage(
+            admin_pb2.GetTenantUsageRequest(
+                tenant=TENANT, teams=["research"], key_ids=[made.key.key_id]
+            ),
+            timeout=5,
+        ),
+        lambda got: all(float(level.this_month.cost_usd) > 0 for level in got.levels),
+        timeout=PROPAGATION_DEADLINE_S,
+    )
+    levels = {(level.level, level.name): level for level in report.levels}
+    key = levels[("key", made.key.key_id)]
+    # The key's spend is exactly its one request's; its budget is its own.
+    assert float(key.this_month.cost_usd) == pytest.approx(cost)
+    assert key.this_month.budget_usd == "5"
+    assert float(key.this_month.remaining_usd) == pytest.approx(5 - cost)
+    # The team's spend holds this key's and every other research key's.
+    assert float(levels[("team", "research")].this_month.cost_usd) >= cost
+    assert levels[("team", "research")].this_month.budget_usd == ""
+    # A key of another tenant is not this tenant's to read.
+    other = admin.CreateKey(admin_pb2.CreateKeyRequest(tenant=BURST_TENANT), timeout=5)
+    with pytest.raises(grpc.RpcError) as refused:
+        admin.GetTenantUsage(
+            admin_pb2.GetTenantUsageRequest(tenant=TENANT, key_ids=[other.key.key_id]),
+            timeout=5,
+        )
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvgate.cli",
+            "usage",
+            "--admin",
+            f"127.0.0.1:{stack.kvgate_admin_port}",
+            "--tenant",
+            TENANT,
+            "--key",
+            made.key.key_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert f"key {made.key.key_id}" in shown and "of $5" in shown

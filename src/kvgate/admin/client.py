@@ -130,6 +130,13 @@ def _print_usage(usage: admin_pb2.TenantUsage) -> None:
             f"prompt {period.prompt_tokens:>10}  output {period.output_tokens:>10}  "
             f"cost ${period.cost_usd}{budget}"
         )
+    for level in usage.levels:
+        name = f"  {level.level} {level.name}"
+        for label, spent in (("today", level.today), ("this month", level.this_month)):
+            budget = (
+                f" of ${spent.budget_usd} (${spent.remaining_usd} left)" if spent.budget_usd else ""
+            )
+            print(f"{name:<16} {label:<11} {spent.period:<10} cost ${spent.cost_usd}{budget}")
 
 
 def run_admin_command(args: argparse.Namespace) -> int:
@@ -148,7 +155,12 @@ def run_admin_command(args: argparse.Namespace) -> int:
             return _run_keys(args, call)
         if args.admin_command == "usage":
             if args.tenant:
-                request: Any = admin_pb2.GetTenantUsageRequest(tenant=args.tenant)
+                request: Any = admin_pb2.GetTenantUsageRequest(
+                    tenant=args.tenant,
+                    teams=args.team or (),
+                    users=args.user or (),
+                    key_ids=args.key or (),
+                )
                 reply = call("GetTenantUsage", request)
                 tenants = [reply]
             else:
@@ -290,6 +302,12 @@ def add_admin_commands(subparsers: Any) -> None:
             command.add_argument("--json", action="store_true")
         if name == "usage":
             command.add_argument("--tenant", help="one tenant (default: all)")
+            for level, what in (("team", "a team"), ("user", "a user"), ("key", "a key id")):
+                command.add_argument(
+                    f"--{level}",
+                    action="append",
+                    help=f"with --tenant: also {what}'s own spend (repeatable)",
+                )
         command.set_defaults(func=run_admin_command, admin_command=name)
     _add_keys_command(subparsers)
 

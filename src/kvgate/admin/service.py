@@ -18,10 +18,11 @@ from kvgate.capacity.pools import PoolRegistry
 from kvgate.capacity.reconcile import Reconciler
 from kvgate.config import SnapshotHolder
 from kvgate.config.model import LevelConfig
+from kvgate.config.snapshot import RuntimeSnapshot, compile_level
 from kvgate.extproc.services import GatewayServices
 from kvgate.keys import KeyDirectory, KeyRecord
 from kvgate.lifecycle.usage_report import tenant_usage_report
-from kvgate.policy import BackendLimits, BackendStatus
+from kvgate.policy import BackendLimits, BackendStatus, Level, LevelKind
 from kvgate.reload import ConfigReloader
 from kvgate.usage_records import RecordQuery, RecordSink, UsageRecord
 from kvgate.usage_records.cli import money
@@ -63,11 +64,29 @@ def _period(entry: dict[str, Any]) -> admin_pb2.PeriodUsage:
     )
 
 
+def _level_period(entry: dict[str, Any]) -> admin_pb2.LevelPeriod:
+    return admin_pb2.LevelPeriod(
+        period=entry["period"],
+        cost_usd=entry["cost_usd"],
+        budget_usd=entry.get("budget_usd", ""),
+        remaining_usd=entry.get("remaining_usd", ""),
+    )
+
+
 def tenant_usage_message(report: dict[str, Any]) -> admin_pb2.TenantUsage:
     return admin_pb2.TenantUsage(
         tenant=report["tenant"],
         today=_period(report["today"]),
         this_month=_period(report["this_month"]),
+        levels=[
+            admin_pb2.LevelUsage(
+                level=level["level"],
+                name=level["name"],
+                today=_level_period(level["today"]),
+                this_month=_level_period(level["this_month"]),
+            )
+            for level in report.get("levels", ())
+        ],
     )
 
 
@@ -154,10 +173,45 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         snapshot = self._snapshots.current
         if request.tenant not in snapshot.tenants:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no tenant '{request.tenant}'")
+        levels = await self._levels(request, snapshot, context)
         report = await tenant_usage_report(
-            self._services.store, self._services.clock, snapshot, request.tenant
+            self._services.store, self._services.clock, snapshot, request.tenant, levels
         )
         return tenant_usage_message(report)
+
+    async def _levels(
+        self,
+        request: admin_pb2.GetTenantUsageRequest,
+        snapshot: RuntimeSnapshot,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> list[Level]:
+        """The levels a usage request names, with their budgets where they have any (a
+        team, user or key without limits of its own still has its spend)."""
+        tenant = request.tenant
+        levels = [
+            next(iter(snapshot.levels(tenant, team, None)), None) or Level(LevelKind.TEAM, team)
+            for team in request.teams
+        ]
+        levels += [
+            next(iter(snapshot.levels(tenant, None, user)), None) or Level(LevelKind.USER, user)
+            for user in request.users
+        ]
+        for key_id in request.key_ids:
+            keys = await self._keys(context)
+            key_id = await self._key_id(key_id, context)
+            try:
+                record = await keys.get(key_id)
+            except Exception as exc:  # the store's own errors, whatever the store
+                await self._unavailable(context, exc)
+            if record is None or record.tenant != tenant:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no key '{key_id}' of {tenant}")
+            assert record is not None
+            levels.append(
+                compile_level(LevelKind.KEY, key_id, record.limits)
+                if record.limits is not None
+                else Level(LevelKind.KEY, key_id)
+            )
+        return levels
 
     async def ListTenantUsage(
         self,

@@ -7,10 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetTenantUsageRequest(_message.Message):
-    __slots__ = ("tenant",)
+    __slots__ = ("tenant", "teams", "users", "key_ids")
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TEAMS_FIELD_NUMBER: _ClassVar[int]
+    USERS_FIELD_NUMBER: _ClassVar[int]
+    KEY_IDS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
-    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+    teams: _containers.RepeatedScalarFieldContainer[str]
+    users: _containers.RepeatedScalarFieldContainer[str]
+    key_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tenant: _Optional[str] = ..., teams: _Optional[_Iterable[str]] = ..., users: _Optional[_Iterable[str]] = ..., key_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListTenantUsageRequest(_message.Message):
     __slots__ = ()
@@ -73,14 +79,40 @@ class PeriodUsage(_message.Message):
     def __init__(self, period: _Optional[str] = ..., resets_in_seconds: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ..., reserved_usd: _Optional[str] = ..., budget_usd: _Optional[str] = ..., remaining_usd: _Optional[str] = ..., by_model: _Optional[_Iterable[_Union[ModelUsage, _Mapping]]] = ..., cache_hits: _Optional[int] = ..., cache_saved_tokens: _Optional[int] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
-    __slots__ = ("tenant", "today", "this_month")
+    __slots__ = ("tenant", "today", "this_month", "levels")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TODAY_FIELD_NUMBER: _ClassVar[int]
     THIS_MONTH_FIELD_NUMBER: _ClassVar[int]
+    LEVELS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     today: PeriodUsage
     this_month: PeriodUsage
-    def __init__(self, tenant: _Optional[str] = ..., today: _Optional[_Union[PeriodUsage, _Mapping]] = ..., this_month: _Optional[_Union[PeriodUsage, _Mapping]] = ...) -> None: ...
+    levels: _containers.RepeatedCompositeFieldContainer[LevelUsage]
+    def __init__(self, tenant: _Optional[str] = ..., today: _Optional[_Union[PeriodUsage, _Mapping]] = ..., this_month: _Optional[_Union[PeriodUsage, _Mapping]] = ..., levels: _Optional[_Iterable[_Union[LevelUsage, _Mapping]]] = ...) -> None: ...
+
+class LevelUsage(_message.Message):
+    __slots__ = ("level", "name", "today", "this_month")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TODAY_FIELD_NUMBER: _ClassVar[int]
+    THIS_MONTH_FIELD_NUMBER: _ClassVar[int]
+    level: str
+    name: str
+    today: LevelPeriod
+    this_month: LevelPeriod
+    def __init__(self, level: _Optional[str] = ..., name: _Optional[str] = ..., today: _Optional[_Union[LevelPeriod, _Mapping]] = ..., this_month: _Optional[_Union[LevelPeriod, _Mapping]] = ...) -> None: ...
+
+class LevelPeriod(_message.Message):
+    __slots__ = ("period", "cost_usd", "budget_usd", "remaining_usd")
+    PERIOD_FIELD_NUMBER: _ClassVar[int]
+    COST_USD_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_USD_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_USD_FIELD_NUMBER: _ClassVar[int]
+    period: str
+    cost_usd: str
+    budget_usd: str
+    remaining_usd: str
+    def __init__(self, period: _Optional[str] = ..., cost_usd: _Optional[str] = ..., budget_usd: _Optional[str] = ..., remaining_usd: _Optional[str] = ...) -> None: ...
 
 class ListBackendsRequest(_message.Message):
     __slots__ = ()
