@@ -187,6 +187,18 @@ def test_a_shared_bad_section_is_reported_at_every_tenant() -> None:
         parse_config(raw)
     assert "tenants.0.limits.rpm.limit" in str(raised.value)
     assert "tenants.1.limits.rpm.limit" in str(raised.value)
+    # A section's own model checks (around which the sharing sits) too.
+    no_fallback = {"daily_usd": "1", "action": "fallback"}
+    raw = _raw(
+        [
+            {"name": "a", "api_key_sha256": _key("a"), "budget": no_fallback},
+            {"name": "b", "api_key_sha256": _key("b"), "budget": dict(no_fallback)},
+        ]
+    )
+    with pytest.raises(ConfigError) as raised:
+        parse_config(raw)
+    assert str(raised.value).count("needs fallback_model") == 2
+    assert "tenants.1.budget: action 'fallback' needs fallback_model" in str(raised.value)
 
 
 def test_the_tenant_checks_still_hold() -> None:

@@ -22,12 +22,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
     ModelWrapValidatorHandler,
     TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import CoreSchema, core_schema
 
 # Every leaf field says how a change of it reaches the running process (kvgate.reload):
 # Reload[T] on a reload, Restart[T] only by a restart.
@@ -89,7 +91,14 @@ def _raw_key(value: Any) -> Hashable | None:
 class _Shared(_Strict):
     """A section whose instances equal raw values share, within one parse_config."""
 
-    @model_validator(mode="wrap")
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: type[BaseModel], handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        # Around the whole section, its own model validators too (a model_validator here
+        # would run inside theirs): a shared section is checked once, not at every tenant.
+        return core_schema.no_info_wrap_validator_function(cls._share, handler(source))
+
     @classmethod
     def _share(cls, value: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         shared = _SHARED_SECTIONS.get()
