@@ -114,6 +114,10 @@ def test_any_plain_scalar_reads_as_pyyaml_reads_it(scalars: list[str]) -> None:
         # Not YAML to PyYAML: yaml-rs may still read some of it (`[:0, x]`), a known
         # leniency of the fast reader, left to validation.
         return
+    except ValueError:  # PyYAML's own failure on a number it matched (`0x_`): so is ours
+        with pytest.raises(ValueError):
+            read_yaml(text)
+        return
     assert typed(read_yaml(text)) == expected
 
 
@@ -449,6 +453,13 @@ TENANT_SECTIONS = [
         "        - not a tenant\n"
         for i in range(4)
     ),
+    # What YAML 1.1 reads otherwise (yes, 010): the chunks are read by PyYAML.
+    "tenants:\n"
+    + "".join(
+        f"  - name: t{i}\n    api_key_sha256: {_key(str(i))}\n    semantic_cache: yes\n"
+        "    priority: 010\n"
+        for i in range(5)
+    ),
     # Not a block sequence of tenants: read whole.
     "tenants: []\n",
     "tenants:\n  bogus: 1\n",
@@ -457,15 +468,23 @@ TENANT_SECTIONS = [
 
 @pytest.mark.parametrize("section", TENANT_SECTIONS)
 @pytest.mark.parametrize("chunk", [1, 2, 1000])
+@pytest.mark.parametrize("head", ["", "# on: a comment that sends the file to PyYAML\n"])
 def test_tenants_read_in_chunks_read_as_the_whole_file(
-    section: str, chunk: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    section: str, chunk: int, head: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(model, "TENANT_CHUNK", chunk)
-    text = FLEET_HEAD + section
+    text = head + FLEET_HEAD + section
     path = tmp_path / "fleet.yaml"
     path.write_text(text, encoding="utf-8")
     try:  # the file read whole, as load_config did before it read tenants in chunks
-        expected = parse_config(read_yaml(text), str(path))
+        data = read_yaml(text)
+    except yaml.YAMLError as exc:
+        with pytest.raises(ConfigError) as raised:
+            load_config(path)
+        assert str(raised.value) == f"{path}: not valid YAML: {exc}"
+        return
+    try:
+        expected = parse_config(data, str(path))
     except ConfigError as exc:
         with pytest.raises(ConfigError) as raised:
             load_config(path)
@@ -489,3 +508,23 @@ def test_tenants_first_in_the_file_are_read_in_chunks_too() -> None:
     assert in_chunks is not None
     rest, chunks = in_chunks
     assert typed({**rest, "tenants": [t for c in chunks for t in c]}) == typed(pyyaml(text))
+
+
+def test_a_fleet_yaml_1_1_reads_otherwise_is_read_in_chunks_by_pyyaml() -> None:
+    text = generate_config(100).replace("priority: 5\n", "priority: 05\n") + "tracing: {}\n"
+    text = text.replace("    response_cache: true", "    response_cache: on")
+    assert model._yaml_1_1_only(text)
+    in_chunks = model._read_in_chunks(text, model._pyyaml_reading)
+    assert in_chunks is not None
+    rest, chunks = in_chunks
+    assert typed({**rest, "tenants": [t for c in chunks for t in c]}) == typed(pyyaml(text))
+    # Directives or a second document: read whole.
+    assert model._read_in_chunks("%YAML 1.1\n---\n" + text, model._pyyaml_reading) is None
+    assert model._read_in_chunks(text + "---\nk: 1\n", model._pyyaml_reading) is None
+
+
+def test_a_number_pyyaml_fails_on_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "odd.yaml"
+    path.write_text("server:\n  shutdown_grace_s: 0x_\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)

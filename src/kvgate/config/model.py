@@ -8,7 +8,7 @@ import ipaddress
 import os
 import re
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from decimal import Decimal
@@ -1580,20 +1580,34 @@ _TENANTS_KEY = re.compile(r"tenants:[ \t]*(?:#[^\n]*)?\n")
 _BLANK_LINES = re.compile(r"(?:[ \t]*(?:#[^\n]*)?\n)*")
 _FIRST_ITEM = re.compile(r"( *)-[ \t\n]")
 _TENANTS_PLACEHOLDER = "kvgate-tenants-read-in-chunks"
+_DOCUMENT_MARKS = ("\n%", "\n---", "\n...")
 
 
 class _ChunksDisagree(Exception):
     """The tenants cannot be read chunk by chunk as the whole file would read them."""
 
 
-def _read_in_chunks(text: str) -> tuple[dict[str, Any], Iterator[list[Any]]] | None:
+def _yaml_rs_reading(text: str) -> Any:
+    return yaml_rs.loads(text, parse_datetime=False)
+
+
+def _pyyaml_reading(text: str) -> Any:
+    return yaml.load(text, Loader=_SAFE_LOADER)
+
+
+def _read_in_chunks(
+    text: str, reading: Callable[[str], Any] = _yaml_rs_reading
+) -> tuple[dict[str, Any], Iterator[list[Any]]] | None:
     """The config without its tenants, and the tenants chunk by chunk (each a list, read
     when asked for), or None when the file is not laid out for that (then it is read
-    whole). Only for text yaml-rs reads (no YAML 1.1 difference), without anchors or
-    aliases (they may cross chunks). A chunk boundary the whole file would not read as one
+    whole). Each part is read with `reading` (yaml-rs, or PyYAML where YAML 1.1 reads the
+    file otherwise), in a file without anchors or aliases (they may cross chunks) and of
+    one document without directives. A chunk boundary the whole file would not read as one
     (inside a quoted or flow scalar spanning lines) leaves a chunk unreadable or of another
     length: the iterator raises _ChunksDisagree and the file is read whole."""
     if _TENANTS_PLACEHOLDER in text or "&" in text or "*" in text:
+        return None
+    if text.startswith(("%", "---", "...")) or any(m in text for m in _DOCUMENT_MARKS):
         return None
     key = 0 if text.startswith("tenants:") else text.find("\ntenants:") + 1
     if (key == 0 and not text.startswith("tenants:")) or text.find("\ntenants:", key) != -1:
@@ -1620,21 +1634,23 @@ def _read_in_chunks(text: str) -> tuple[dict[str, Any], Iterator[list[Any]]] | N
     ]
     rest_text = f"{text[:key]}tenants: {_TENANTS_PLACEHOLDER}\n{text[end:]}"
     try:
-        rest = yaml_rs.loads(rest_text, parse_datetime=False)
+        rest = reading(rest_text)
     except Exception:
         return None
     if not isinstance(rest, dict) or rest.pop("tenants", None) != _TENANTS_PLACEHOLDER:
         return None
-    return rest, _tenant_chunks(text, starts, end)
+    return rest, _tenant_chunks(text, starts, end, reading)
 
 
-def _tenant_chunks(text: str, starts: list[int], end: int) -> Iterator[list[Any]]:
+def _tenant_chunks(
+    text: str, starts: list[int], end: int, reading: Callable[[str], Any]
+) -> Iterator[list[Any]]:
     for i in range(0, len(starts), TENANT_CHUNK):
         chunk_starts = starts[i : i + TENANT_CHUNK]
         chunk_end = starts[i + TENANT_CHUNK] if i + TENANT_CHUNK < len(starts) else end
         try:
-            items = yaml_rs.loads(text[chunk_starts[0] : chunk_end], parse_datetime=False)
-        except Exception:
+            items = reading(text[chunk_starts[0] : chunk_end])
+        except Exception:  # the whole file's reading decides, with its own message
             raise _ChunksDisagree from None
         if not isinstance(items, list) or len(items) != len(chunk_starts):
             raise _ChunksDisagree
@@ -1647,21 +1663,21 @@ def load_config(path: str | Path) -> KvgateConfig:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    if not _yaml_1_1_only(text):
-        shared = _SHARED_SECTIONS.set({})
-        try:
-            with gc_paused():
-                in_chunks = _read_in_chunks(text)
-                if in_chunks is not None:
-                    return _validate(*in_chunks, str(path))
-        except _ChunksDisagree:
-            pass
-        finally:
-            _SHARED_SECTIONS.reset(shared)
+    reading = _pyyaml_reading if _yaml_1_1_only(text) else _yaml_rs_reading
+    shared = _SHARED_SECTIONS.set({})
+    try:
+        with gc_paused():
+            in_chunks = _read_in_chunks(text, reading)
+            if in_chunks is not None:
+                return _validate(*in_chunks, str(path))
+    except _ChunksDisagree:
+        pass
+    finally:
+        _SHARED_SECTIONS.reset(shared)
     try:
         with gc_paused():
             data = read_yaml(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:  # PyYAML fails so on 0x_ (int(""))
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     del text
     return parse_config(data, str(path))
