@@ -48,7 +48,7 @@ def _limits(rng: random.Random, indent: str) -> list[str]:
     return lines
 
 
-def _tenant(index: int, rng: random.Random) -> list[str]:
+def _tenant(index: int, rng: random.Random, yaml_1_1: bool = False) -> list[str]:
     lines = [f"  - name: tenant-{index:06d}"]
     if rng.random() < 0.05:  # a rotation in progress: two keys
         lines += [
@@ -94,12 +94,14 @@ def _tenant(index: int, rng: random.Random) -> list[str]:
         lines.append("      limits:")
         lines.append("        rpm: 30")
     if rng.random() < 0.02:
-        lines.append("    response_cache: true")
+        # `on`: a YAML 1.1 boolean (PyYAML reads the file), a string to YAML 1.2.
+        lines.append(f"    response_cache: {'on' if yaml_1_1 else 'true'}")
     return lines
 
 
-def generate_config(tenants: int, seed: int = 0) -> str:
-    """A config of `tenants` tenants (two backends, four models), as YAML text."""
+def generate_config(tenants: int, seed: int = 0, yaml_1_1: bool = False) -> str:
+    """A config of `tenants` tenants (two backends, four models), as YAML text; with
+    `yaml_1_1`, some booleans written as YAML 1.1 has them (`on`), read by PyYAML."""
     rng = random.Random(seed)
     lines = [
         "server:",
@@ -124,7 +126,7 @@ def generate_config(tenants: int, seed: int = 0) -> str:
         ]
     lines.append("tenants:")
     for index in range(tenants):
-        lines += _tenant(index, rng)
+        lines += _tenant(index, rng, yaml_1_1)
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +180,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="the config file to write")
     parser.add_argument("--baseline", default=None, help="a git revision to compare with")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each; the best is kept")
+    parser.add_argument(
+        "--yaml-1-1", action="store_true", help="booleans as `on` (the file read by PyYAML)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -185,9 +190,10 @@ def main() -> None:
         print(json.dumps(_measure_child(child, dict(os.environ))))
         return
 
-    path = args.out or Path(tempfile.gettempdir()) / f"kvgate-{args.tenants}-tenants.yaml"
+    name = f"kvgate-{args.tenants}-tenants{'-yaml-1-1' if args.yaml_1_1 else ''}.yaml"
+    path = args.out or Path(tempfile.gettempdir()) / name
     if not path.exists():
-        path.write_text(generate_config(args.tenants, args.seed), encoding="utf-8")
+        path.write_text(generate_config(args.tenants, args.seed, args.yaml_1_1), encoding="utf-8")
     size_mb = path.stat().st_size / 1e6
     print(f"{path}: {args.tenants} tenants, {size_mb:.1f} MB of YAML")
 

@@ -528,3 +528,14 @@ def test_a_number_pyyaml_fails_on_is_a_config_error(tmp_path: Path) -> None:
     path.write_text("server:\n  shutdown_grace_s: 0x_\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(path)
+
+
+def test_a_fleet_read_by_pyyaml_in_chunks_is_the_same_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model, "TENANT_CHUNK", 7)
+    plain, one_one = tmp_path / "plain.yaml", tmp_path / "yaml-1-1.yaml"
+    plain.write_text(generate_config(120), encoding="utf-8")
+    one_one.write_text(generate_config(120, yaml_1_1=True), encoding="utf-8")
+    assert "response_cache: on" in one_one.read_text(encoding="utf-8")
+    assert load_config(one_one) == load_config(plain)
