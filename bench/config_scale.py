@@ -142,14 +142,19 @@ LOAD_AND_COMPILE = (
 
 
 def _measure_child(argv: list[str], env: dict[str, str]) -> dict[str, float]:
-    """Run `argv` as this process's only child: its wall time and peak RSS."""
+    """Run `argv` as this process's only child: its wall time, CPU time (user + system:
+    steadier than the wall time on a shared machine) and peak RSS."""
     started = time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - started
     if done.returncode not in (0, None):
         raise SystemExit(f"{argv[-1][:80]}... failed: {done.stderr[-2000:]}")
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"wall_s": wall, "peak_rss_mb": peak_kib / 1024}
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+    }
 
 
 def measure(code: str, src: Path) -> dict[str, float]:
@@ -205,13 +210,10 @@ def main() -> None:
         for label, code in (("check-config", CHECK_CONFIG), ("load+compile", LOAD_AND_COMPILE)):
             for tree, src in trees.items():
                 runs = [measure(code.format(path=str(path)), src) for _ in range(args.repeat)]
-                best = {
-                    "wall_s": min(r["wall_s"] for r in runs),
-                    "peak_rss_mb": min(r["peak_rss_mb"] for r in runs),
-                }
+                best = {key: min(r[key] for r in runs) for key in runs[0]}
                 results.setdefault(label, {})[tree] = best
                 print(
-                    f"{label:13} {tree:7} {best['wall_s']:7.2f} s  "
+                    f"{label:13} {tree:7} {best['wall_s']:7.2f} s  ({best['cpu_s']:5.2f} s CPU)  "
                     f"{best['peak_rss_mb']:7.0f} MB peak RSS",
                     flush=True,
                 )
@@ -219,6 +221,7 @@ def main() -> None:
                 before, now = results[label]["before"], results[label]["now"]
                 print(
                     f"{label:13} ratio   {now['wall_s'] / before['wall_s']:7.2f} x  "
+                    f"({now['cpu_s'] / before['cpu_s']:5.2f} x CPU)  "
                     f"{now['peak_rss_mb'] / before['peak_rss_mb']:7.2f} x"
                 )
 
